@@ -1,0 +1,48 @@
+"""Expert activations in torch, as every backend must compute them.
+
+Gated activations take the GEMM1 output [T, 2I] and return [T, I]; which rows are gate and
+which are up depends on the layout: [gate | up] halves, or interleaved (g0, u0, g1, u1, ...)
+for gpt-oss's `swigluoai`. The non-gated `*_no_mul` activations need a [E, I, H] w13 and are not
+implemented here yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moerules.activation import Activation
+
+# gpt-oss SwiGLU constants.
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+GATED_ACTIVATIONS = frozenset({Activation.silu, Activation.gelu, Activation.gelu_tanh, Activation.swigluoai,
+                               Activation.swigluoai_uninterleave})
+
+
+def is_interleaved(activation: Activation) -> bool:
+    return activation == Activation.swigluoai
+
+
+def split_gate_up(h: torch.Tensor, activation: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    if is_interleaved(activation):
+        return h[..., 0::2], h[..., 1::2]
+    return h.chunk(2, dim=-1)
+
+
+def apply_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """GEMM1 output -> GEMM2 input, in h's dtype. Only gated activations: w13 holds 2I rows."""
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation {activation.value!r} is not implemented by moerules.kernels")
+    gate, up = split_gate_up(h, activation)
+    if activation == Activation.silu:
+        return F.silu(gate) * up
+    if activation == Activation.gelu:
+        return F.gelu(gate) * up
+    if activation == Activation.gelu_tanh:
+        return F.gelu(gate, approximate="tanh") * up
+    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+    up = up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
+    return gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1)

@@ -1,0 +1,122 @@
+"""The two component interfaces of a modular MoE layer, mirroring vLLM's split.
+
+  PrepareFinalize.prepare   x -> (maybe quantised, maybe dispatched) hidden states
+  Experts.apply             hidden states -> per-token expert output (already top-k reduced)
+  PrepareFinalize.finalize  expert output -> layer output (combine, un-pad)
+
+Everything between components that could be swapped silently (topk ids and weights,
+scales, biases) is passed by keyword only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from moerules.activation import Activation
+
+from .quantize import quantize_activation
+from .scheme import Scheme
+from .weights import MoEWeights
+
+STANDARD = "standard"
+BATCHED = "batched"
+
+
+@dataclass
+class PreparedInput:
+    """What `prepare` hands to the experts.
+
+    hidden_q: [T, H] in the quantised dtype, or in in_dtype when nothing is quantised or the
+    quantisation is deferred to the experts; a_scale: its scale (None when unquantised).
+    """
+
+    hidden_q: torch.Tensor
+    a_scale: Optional[torch.Tensor]
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+class PrepareFinalize(ABC):
+    """Moves activations to the experts and results back; quantises the activations once.
+
+    `quantizes_inputs` says whether this dispatcher quantises activations (before any
+    communication, so the wire carries the quantised dtype). Experts read it to decide
+    whether they must quantise themselves.
+    """
+
+    activation_format: ClassVar[str]
+
+    def __init__(self, *, scheme: Scheme, hidden_pad: int = 0, quantizes_inputs: bool = True):
+        self.scheme = scheme
+        self.hidden_pad = hidden_pad
+        self.quantizes_inputs = quantizes_inputs
+
+    @abstractmethod
+    def prepare(self, x: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                defer_input_quant: bool, a13_scale: Optional[torch.Tensor]) -> PreparedInput:
+        ...
+
+    @abstractmethod
+    def finalize(self, expert_out: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 hidden_size: int) -> torch.Tensor:
+        ...
+
+
+class Experts(ABC):
+    """Computes the experts for already routed (and maybe quantised) tokens.
+
+    Subclasses set `activation_format` and `supports_bias`. `expects_unquantized_inputs`
+    is not a constant: it depends on the dispatcher the experts are paired with (`bind`).
+    """
+
+    activation_format: ClassVar[str]
+    supports_bias: ClassVar[bool]
+
+    def __init__(self, *, scheme: Scheme, activation: Activation, kernel_id: str):
+        self.scheme = scheme
+        self.activation = activation
+        self.kernel_id = kernel_id
+        self.prepare_finalize: Optional[PrepareFinalize] = None
+
+    def bind(self, prepare_finalize: PrepareFinalize) -> None:
+        self.prepare_finalize = prepare_finalize
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """True when these experts quantise the activations themselves.
+
+        That is the case exactly when the scheme quantises activations and the paired
+        dispatcher does not. A dispatcher that ships quantised activations (e.g. FP8 dispatch)
+        makes it False, so activations are never quantised twice nor skipped.
+        """
+        if self.prepare_finalize is None:
+            raise RuntimeError(f"{self.kernel_id}: experts are not paired with a prepare/finalize yet (call bind)")
+        return self.scheme.quantizes_activations and not self.prepare_finalize.quantizes_inputs
+
+    def quantize_gemm_input(self, x: torch.Tensor, *,
+                            static_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Quantise a GEMM input per the scheme's activation key (identity for weight-only schemes)."""
+        if not self.scheme.quantizes_activations:
+            return x, None
+        return quantize_activation(x, dtype=self.scheme.act_torch_dtype, granularity=self.scheme.act_granularity,
+                                   static_scale=static_scale)
+
+    def gemm1_input(self, hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor],
+                    weights: MoEWeights) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The GEMM1 operand: as dispatched, or quantised here when the dispatcher deferred it."""
+        if self.expects_unquantized_inputs:
+            return self.quantize_gemm_input(hidden_q, static_scale=weights.a13_scale)
+        return hidden_q, a_scale
+
+    @abstractmethod
+    def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """-> [T, H] in the layer's in_dtype: sum over k of topk_weight * expert(hidden).
+
+        hidden_q is quantised (with a_scale) unless `expects_unquantized_inputs`, in which
+        case it is in in_dtype and a_scale is None.
+        """

@@ -1,0 +1,140 @@
+"""Quantisation utilities: dynamic activation quant, static weight quant, and their inverses.
+
+Conventions shared by every backend: dequantised value = q * scale; scales are fp32;
+fp8 is e4m3fn (max 448) saturated, int8 is symmetric (max 127) rounded half away from
+zero (the Triton quant kernel rounds the same way, so both paths give identical q).
+
+Scale layouts, by granularity:
+  activations [T, K]: tensor -> [1]; token -> [T]; group128 -> [T, cdiv(K, 128)]
+  weights [E, N, K]:  tensor -> [E]; channel -> [E, N]; block128 -> [E, cdiv(N,128), cdiv(K,128)]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moerules.quant import Granularity
+
+from .scheme import QUANT_BLOCK
+
+G = Granularity
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+INT8_MAX = 127.0
+# Keeps an all-zero group from producing a zero scale (and then 0/0 on quantisation).
+_MIN_SCALE = 1e-10
+
+
+def qmax(dtype: torch.dtype) -> float:
+    if dtype == torch.float8_e4m3fn:
+        return FP8_MAX
+    if dtype == torch.int8:
+        return INT8_MAX
+    raise ValueError(f"no quantised range for dtype {dtype}")
+
+
+def cast_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x already divided by its scale -> dtype, clamped to the representable range."""
+    m = qmax(dtype)
+    x = x.clamp(-m, m)
+    if dtype == torch.int8:
+        x = torch.trunc(x + 0.5 * torch.sign(x))
+    return x.to(dtype)
+
+
+def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (amax.float() / qmax(dtype)).clamp_min(_MIN_SCALE)
+
+
+def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[-1]) % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def _group_view(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [..., cdiv(K,128), 128], zero padded (zeros never raise a group's amax)."""
+    x = _pad_last(x, QUANT_BLOCK)
+    return x.reshape(*x.shape[:-1], x.shape[-1] // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Granularity,
+                        static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise activations [T, K]; returns (q [T, K], scale in the layout of the module doc).
+
+    A static scale is only meaningful per tensor; passing one skips the amax pass.
+    On CUDA the per-token and group paths run as one Triton kernel (they are on the hot path
+    of every W8A8 forward, twice); elsewhere, and for the per-tensor amax, torch is used.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"activations must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if static_scale is not None and granularity != G.tensor:
+        raise ValueError(f"a static activation scale needs granularity 'tensor', not {granularity.value!r}")
+    if granularity not in (G.tensor, G.token, G.group128):
+        raise ValueError(f"activation granularity {granularity.value!r} is not implemented")
+    if x.is_cuda and x.shape[0] > 0:
+        from .triton.quant import quantize_activation_triton
+        return quantize_activation_triton(x, dtype=dtype, granularity=granularity, static_scale=static_scale)
+    xf = x.float()
+    if granularity == G.tensor:
+        if static_scale is not None:
+            scale = static_scale.float().reshape(1)
+        else:
+            amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+            scale = _scale_from_amax(amax, dtype).reshape(1)
+        return cast_saturated(xf / scale, dtype), scale
+    if granularity == G.token:
+        scale = _scale_from_amax(xf.abs().amax(dim=1), dtype) if x.shape[1] else torch.ones(x.shape[0])
+        return cast_saturated(xf / scale[:, None], dtype), scale
+    groups = _group_view(xf)
+    scale = _scale_from_amax(groups.abs().amax(dim=-1), dtype)
+    q = cast_saturated(groups / scale[..., None], dtype).reshape(x.shape[0], -1)[:, :x.shape[1]]
+    return q.contiguous(), scale
+
+
+def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, *, granularity: Granularity) -> torch.Tensor:
+    qf = q.double()
+    if granularity == G.tensor:
+        return qf * scale.double().reshape(())
+    if granularity == G.token:
+        return qf * scale.double()[:, None]
+    return (_group_view(qf) * scale.double()[..., None]).reshape(q.shape[0], -1)[:, :q.shape[1]]
+
+
+def quantize_weight(w: torch.Tensor, *, dtype: torch.dtype,
+                    granularity: Granularity) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise expert weights [E, N, K] with a static scale per expert, channel or 128x128 block."""
+    wf = w.float()
+    if granularity == G.tensor:
+        scale = _scale_from_amax(wf.abs().amax(dim=(1, 2)), dtype)
+        return cast_saturated(wf / scale[:, None, None], dtype), scale
+    if granularity == G.channel:
+        scale = _scale_from_amax(wf.abs().amax(dim=2), dtype)
+        return cast_saturated(wf / scale[:, :, None], dtype), scale
+    if granularity == G.block128:
+        blocks = _block_view(wf)
+        scale = _scale_from_amax(blocks.abs().amax(dim=(2, 4)), dtype)
+        q = cast_saturated(blocks / scale[:, :, None, :, None], dtype)
+        return _unblock(q, w.shape), scale
+    raise ValueError(f"weight granularity {granularity.value!r} is not implemented")
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, *, granularity: Granularity) -> torch.Tensor:
+    qf = q.double()
+    if granularity == G.tensor:
+        return qf * scale.double()[:, None, None]
+    if granularity == G.channel:
+        return qf * scale.double()[:, :, None]
+    return _unblock(_block_view(qf) * scale.double()[:, :, None, :, None], q.shape)
+
+
+def _block_view(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, N/128, 128, K/128, 128], zero padded on N and K."""
+    E, N, K = w.shape
+    w = torch.nn.functional.pad(w, (0, (-K) % QUANT_BLOCK, 0, (-N) % QUANT_BLOCK))
+    return w.reshape(E, w.shape[1] // QUANT_BLOCK, QUANT_BLOCK, w.shape[2] // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def _unblock(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    E, nb, _, kb, _ = blocks.shape
+    return blocks.reshape(E, nb * QUANT_BLOCK, kb * QUANT_BLOCK)[:, :shape[1], :shape[2]].contiguous()

@@ -1,0 +1,81 @@
+"""`torch.reference`: every scheme by dequantise-then-matmul. The numerical reference and the CPU backend.
+
+It follows the data path of the fused kernels step by step, in a wider dtype:
+dequantise the (already quantised) input, GEMM1 per expert, bias, activation, round the
+intermediate to in_dtype (the kernels keep it in in_dtype), quantise it over *all* slots
+at once (a dynamic per-tensor scale spans every slot), GEMM2 per expert, bias, routed
+weight, sum over k. With compute_dtype=float64 it is the yardstick of the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .activations import apply_activation
+from .interfaces import STANDARD, Experts
+from .quantize import dequantize_activation, dequantize_weight, quantize_activation
+from .scheme import TORCH_DTYPE, Scheme
+from .weights import MoEWeights
+
+
+def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, scheme: Scheme,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if scheme.weight_dtype is None:
+        return w[e].to(dtype)
+    return dequantize_weight(w[e:e + 1], scale[e:e + 1], granularity=scheme.weight_granularity)[0].to(dtype)
+
+
+def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor], activation,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """-> [T, H] in compute_dtype. hidden_q/a_scale as prepared (quantised iff the scheme quantises)."""
+    scheme = weights.scheme
+    in_dtype = TORCH_DTYPE[weights.in_dtype]
+    T, k = topk_ids.shape
+    if scheme.quantizes_activations:
+        x = dequantize_activation(hidden_q, a_scale, granularity=scheme.act_granularity).to(compute_dtype)
+    else:
+        x = hidden_q.to(compute_dtype)
+    flat_ids = topk_ids.reshape(-1).long()
+    slot_token = torch.arange(T * k, device=x.device) // k
+    experts = flat_ids.unique().tolist()
+    slots_of = {e: (flat_ids == e).nonzero().squeeze(1) for e in experts}
+
+    inter = torch.empty(T * k, weights.intermediate, dtype=in_dtype, device=x.device)
+    for e in experts:
+        slots = slots_of[e]
+        h = x[slot_token[slots]] @ _expert_weight(weights.w13, weights.w13_scale, e, scheme, compute_dtype).T
+        if weights.has_bias:
+            h = h + weights.w13_bias[e].to(compute_dtype)
+        inter[slots] = apply_activation(h, activation).to(in_dtype)
+
+    if scheme.quantizes_activations:
+        q, s = quantize_activation(inter, dtype=scheme.act_torch_dtype, granularity=scheme.act_granularity,
+                                   static_scale=weights.a2_scale)
+        inter_c = dequantize_activation(q, s, granularity=scheme.act_granularity).to(compute_dtype)
+    else:
+        inter_c = inter.to(compute_dtype)
+
+    out = torch.zeros(T, weights.hidden, dtype=compute_dtype, device=x.device)
+    flat_w = topk_weights.reshape(-1).to(compute_dtype)
+    for e in experts:
+        slots = slots_of[e]
+        y = inter_c[slots] @ _expert_weight(weights.w2, weights.w2_scale, e, scheme, compute_dtype).T
+        if weights.has_bias:
+            y = y + weights.w2_bias[e].to(compute_dtype)
+        out.index_add_(0, slot_token[slots], y * flat_w[slots, None])
+    return out
+
+
+class TorchReferenceExperts(Experts):
+    activation_format = STANDARD
+    supports_bias = True
+
+    def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights)
+        out = moe_reference(x, weights=weights, topk_ids=topk_ids, topk_weights=topk_weights, a_scale=a_scale,
+                            activation=self.activation, compute_dtype=torch.float32)
+        return out.to(TORCH_DTYPE[weights.in_dtype])

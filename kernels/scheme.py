@@ -1,0 +1,100 @@
+"""The numeric scheme a kernel implements, resolved once from a `QuantConfig`.
+
+`QuantConfig` is what rules talk about (families, keys). Kernels need something
+narrower: which dtype the weights hold and how their scales are laid out, and how (or
+whether) activations are quantised. `Scheme` is that record; it is hashable so it can
+key registries and config files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moerules.activation import Dtype
+from moerules.quant import Granularity, QuantConfig, QuantDtype, QuantFamily
+
+# Block size of DeepSeek-style scales: 128x128 weight tiles, 1x128 activation groups.
+QUANT_BLOCK = 128
+
+TORCH_DTYPE = {Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16, Dtype.fp32: torch.float32}
+QUANT_TORCH_DTYPE = {QuantDtype.fp8_e4m3: torch.float8_e4m3fn, QuantDtype.int8: torch.int8}
+
+# Families the kernels in this package implement; the rest (MX, NVFP4, int4) belong to a later issue.
+IMPLEMENTED_FAMILIES = frozenset({QuantFamily.unquantized, QuantFamily.fp8_w8a8, QuantFamily.fp8_w8a16,
+                                  QuantFamily.int8_w8a8, QuantFamily.int8_w8a16})
+
+
+class UnsupportedScheme(ValueError):
+    """The quant config names a family or granularity no kernel here implements."""
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Weight and activation quantisation as the kernels see it.
+
+    weight_dtype None means unquantised weights (they are in the layer's in_dtype).
+    act_dtype None means activations stay in in_dtype (unquantised or weight-only).
+    """
+
+    family: QuantFamily
+    weight_dtype: Optional[QuantDtype] = None
+    weight_granularity: Optional[Granularity] = None
+    act_dtype: Optional[QuantDtype] = None
+    act_granularity: Optional[Granularity] = None
+    act_dynamic: bool = True
+
+    @classmethod
+    def from_quant(cls, quant: QuantConfig) -> "Scheme":
+        if quant.family not in IMPLEMENTED_FAMILIES:
+            raise UnsupportedScheme(f"quant family {quant.family.value!r} has no kernel in moerules.kernels "
+                                    f"yet (implemented: {', '.join(sorted(f.value for f in IMPLEMENTED_FAMILIES))})")
+        wk, ak = quant.weight_key, quant.activation_key
+        return cls(family=quant.family,
+                   weight_dtype=wk.dtype if wk else None,
+                   weight_granularity=wk.granularity if wk else None,
+                   act_dtype=ak.dtype if ak else None,
+                   act_granularity=ak.granularity if ak else None,
+                   act_dynamic=ak.dynamic if ak else True)
+
+    @property
+    def cell(self) -> str:
+        """Stable name of the scheme cell, e.g. 'fp8_w8a8/block128/group128' or 'unquantized'."""
+        if self.weight_dtype is None:
+            return self.family.value
+        parts = [self.family.value, self.weight_granularity.value]
+        if self.act_dtype is not None:
+            parts.append(self.act_granularity.value + ("" if self.act_dynamic else "-static"))
+        return "/".join(parts)
+
+    @property
+    def weight_torch_dtype(self) -> Optional[torch.dtype]:
+        return QUANT_TORCH_DTYPE[self.weight_dtype] if self.weight_dtype else None
+
+    @property
+    def act_torch_dtype(self) -> Optional[torch.dtype]:
+        return QUANT_TORCH_DTYPE[self.act_dtype] if self.act_dtype else None
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.act_dtype is not None
+
+
+def scheme_cells() -> dict[str, Scheme]:
+    """Every scheme cell implemented here, by cell name (used by the registry and tests)."""
+    G, F = Granularity, QuantFamily
+    configs = [QuantConfig(family=F.unquantized)]
+    # Per-tensor and per-channel weight scales combine with any per-tensor or per-token
+    # activation scale: each factors out of the K sum, so the kernels treat them alike.
+    for w in (G.tensor, G.channel):
+        configs += [QuantConfig(family=F.fp8_w8a8, weight_granularity=w, activation_granularity=G.tensor),
+                    QuantConfig(family=F.fp8_w8a8, weight_granularity=w, activation_granularity=G.tensor,
+                                activation_dynamic=False),
+                    QuantConfig(family=F.fp8_w8a8, weight_granularity=w, activation_granularity=G.token)]
+    configs += [QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128, activation_granularity=G.group128),
+                QuantConfig(family=F.int8_w8a8)]
+    configs += [QuantConfig(family=F.fp8_w8a16, weight_granularity=w) for w in (G.tensor, G.channel, G.block128)]
+    configs += [QuantConfig(family=F.int8_w8a16)]
+    return {s.cell: s for s in map(Scheme.from_quant, configs)}

@@ -1,0 +1,1 @@
+"""Triton kernels: token alignment, fused MoE GEMMs, activation quantisation."""

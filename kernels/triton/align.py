@@ -1,0 +1,135 @@
+"""Sort (token, slot) pairs by expert and pad each expert's run to BLOCK_M ("moe_align").
+
+Outputs, for T = M*k slots:
+  sorted_ids [num_blocks*BLOCK_M]: slot indices grouped by expert, each run padded with the
+      sentinel T; the order inside a run is whatever the atomics give (each output row of the
+      GEMMs depends only on its own row, so results do not depend on it).
+  expert_ids [num_blocks]: the expert of each BLOCK_M block.
+  num_post_padded [1]: rows actually used, on the device (no host sync; GEMM programs past it exit).
+
+Ids outside [0, E) are dropped rather than indexed with: their slots get no row, so their
+contribution is unspecified but no memory outside the buffers is touched. The host-side
+check in `routing.validate_topk` reports them wherever a sync is allowed.
+
+Tiny batches (4*T <= E, as in vLLM's naive assignment) skip sorting: each slot gets a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Blocks whose expert ids one program writes; each compares them against all E run ends.
+_BLOCKS_PER_PROGRAM = 64
+_SLOTS_PER_PROGRAM = 1024
+
+
+@dataclass
+class Alignment:
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_post_padded: torch.Tensor
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.expert_ids.shape[0]
+
+
+@triton.jit
+def _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
+    valid = (offs < num_slots) & (e >= 0) & (e < num_experts)
+    return offs, tl.where(valid, e, 0), valid
+
+
+@triton.jit
+def _count_kernel(topk_ids_ptr, counts_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
+    _, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK)
+    tl.atomic_add(counts_ptr + e, 1, mask=valid)
+
+
+@triton.jit
+def _run_offsets_kernel(counts_ptr, cursor_ptr, block_ends_ptr, num_post_ptr, num_experts,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    mask = e < num_experts
+    padded = tl.cdiv(tl.load(counts_ptr + e, mask=mask, other=0), BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, ends - padded, mask=mask)
+    tl.store(block_ends_ptr + e, ends // BLOCK_M, mask=mask)
+    tl.store(num_post_ptr, tl.sum(padded, 0))
+
+
+@triton.jit
+def _block_experts_kernel(block_ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks, num_experts, sentinel,
+                          BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Expert of each block = number of runs ending at or before it; also sentinel-fills its rows."""
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(block_ends_ptr + e, mask=e < num_experts, other=2147483647)
+    expert = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    tl.store(expert_ids_ptr + b, expert, mask=b < num_blocks)
+    rows = b[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids_ptr + rows, tl.full(rows.shape, sentinel, tl.int32), mask=(b < num_blocks)[:, None])
+
+
+@triton.jit
+def _scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
+    slot, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK)
+    pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
+    tl.store(sorted_ids_ptr + pos, slot, mask=valid)
+
+
+@triton.jit
+def _naive_assign_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_slots, num_experts,
+                         BLOCK_M: tl.constexpr):
+    slot = tl.program_id(0)
+    e = tl.load(topk_ids_ptr + slot)
+    valid = (e >= 0) & (e < num_experts)
+    r = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + slot * BLOCK_M + r, tl.where((r == 0) & valid, slot, num_slots))
+    tl.store(expert_ids_ptr + slot, tl.where(valid, e, 0))
+    if slot == 0:
+        tl.store(num_post_ptr, num_slots * BLOCK_M)
+
+
+def use_naive_assignment(num_slots: int, num_experts: int) -> bool:
+    return num_slots * 4 <= num_experts
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on blocks: each non-empty expert adds at most one partly filled block."""
+    if use_naive_assignment(num_slots, num_experts):
+        return num_slots
+    return min(num_slots, triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m))
+
+
+def moe_align(topk_ids: torch.Tensor, *, num_experts: int, block_m: int) -> Alignment:
+    ids = topk_ids.reshape(-1)
+    T, dev = ids.numel(), ids.device
+    nb = max_blocks(T, num_experts, block_m)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    if T == 0:
+        num_post.zero_()
+    elif use_naive_assignment(T, num_experts):
+        _naive_assign_kernel[(T,)](ids, sorted_ids, expert_ids, num_post, T, num_experts, BLOCK_M=block_m)
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        cursor = torch.empty_like(counts)
+        block_ends = torch.empty_like(counts)
+        block_e = triton.next_power_of_2(num_experts)
+        slot_grid = (triton.cdiv(T, _SLOTS_PER_PROGRAM),)
+        _count_kernel[slot_grid](ids, counts, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM)
+        _run_offsets_kernel[(1,)](counts, cursor, block_ends, num_post, num_experts, BLOCK_M=block_m, BLOCK_E=block_e)
+        _block_experts_kernel[(triton.cdiv(nb, _BLOCKS_PER_PROGRAM),)](
+            block_ends, expert_ids, sorted_ids, nb, num_experts, T,
+            BLOCK_M=block_m, BLOCKS=_BLOCKS_PER_PROGRAM, BLOCK_E=block_e)
+        _scatter_kernel[slot_grid](ids, cursor, sorted_ids, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM)
+    return Alignment(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post, block_m=block_m)

@@ -1,0 +1,109 @@
+"""Launch configs of the fused MoE GEMMs: tuned data files first, a heuristic otherwise.
+
+Files live in `kernels/configs/` and are named
+    E={E},N={I},device_name={torch device name, spaces -> _},dtype={dtype key}.json
+(N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
+    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}, "gemm2": {...}}
+and the entry with the nearest M is used. BLOCK_M is shared because it sets the alignment
+padding both GEMMs read; everything else is tuned per GEMM (their K and N differ).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from moerules.quant import Granularity
+
+from ..scheme import Scheme
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    BLOCK_M: int
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dtype_key(scheme: Scheme, in_dtype_name: str) -> str:
+    """Which config family a scheme uses: tiles depend on operand widths and block scaling."""
+    if scheme.weight_dtype is None:
+        return in_dtype_name
+    if scheme.act_dtype is None:
+        return "w8a16"
+    base = f"{scheme.act_dtype.value.split('_')[0]}_w8a8"
+    return base + ("_block128" if scheme.weight_granularity == Granularity.block128 else "")
+
+
+def config_file_name(*, num_experts: int, intermediate: int, device_name: str, dtype: str) -> str:
+    return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')},dtype={dtype}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_file(name: str) -> Optional[dict[int, MoEConfig]]:
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return None
+    return {int(m): MoEConfig.from_dict(c) for m, c in json.loads(path.read_text()).items()}
+
+
+def default_config(*, num_tokens: int, num_experts: int, top_k: int, eight_bit: bool) -> MoEConfig:
+    """Heuristic for shapes without a tuned file.
+
+    BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
+    blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
+    take a longer K step for the same bytes per load. Both K steps divide the 128 of block scales.
+    """
+    rows_per_expert = num_tokens * top_k / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
+    block_k = 128 if eight_bit else 64
+    small = block_m <= 32
+    g1 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
+                    num_warps=4 if small else 8, num_stages=4 if small else 3)
+    g2 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
+                    num_warps=4 if small else 8, num_stages=4 if small else 3)
+    return MoEConfig(BLOCK_M=block_m, gemm1=g1, gemm2=g2)
+
+
+def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,
+               in_dtype_name: str, device_name: str) -> MoEConfig:
+    key = dtype_key(scheme, in_dtype_name)
+    table = _load_file(config_file_name(num_experts=num_experts, intermediate=intermediate,
+                                        device_name=device_name, dtype=key))
+    if table:
+        cfg = table[min(table, key=lambda m: abs(m - num_tokens))]
+    else:
+        cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
+                             eight_bit=scheme.weight_dtype is not None)
+    check_config(cfg, scheme)
+    return cfg
+
+
+def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
+    """Reject configs the kernels cannot run correctly (a bad data file must fail loudly)."""
+    for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
+        if scheme.weight_granularity == Granularity.block128 and 128 % g.BLOCK_K:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must divide 128 for block-scaled weights")
+    if cfg.BLOCK_M < 16:
+        raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16)")

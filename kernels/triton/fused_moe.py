@@ -1,0 +1,191 @@
+"""Triton kernels of the fused MoE: GEMM1 with the gated activation fused, GEMM2 with the router weight.
+
+Both GEMMs read the token rows of one BLOCK_M block of `sorted_ids` (see align.py), all of
+one expert, and multiply them with that expert's weights [N, K] (K contiguous).
+
+GEMM1 keeps two accumulators, gate and up, for the same output columns, and writes
+act(gate) * up: the [M*k, 2I] pre-activation never reaches memory. Gate/up row pairs are
+(n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss).
+
+Scale codes (tl.constexpr):
+  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128]
+  W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128]
+Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
+block scales change along K, so each K step is scaled before it is added (BLOCK_K divides 128).
+W8A16 (A_SCALE 0 with quantised weights) upcasts the weight tile to the activation dtype in the loop.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Activation codes shared with launch.py.
+ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
+SWIGLUOAI_ALPHA: tl.constexpr = 1.702
+SWIGLUOAI_LIMIT: tl.constexpr = 7.0
+SCALE_BLOCK: tl.constexpr = 128
+
+
+@triton.jit
+def _tile_coords(num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ("swizzled") program order: GROUP_M row blocks share each column sweep, for L2 reuse."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
+    """Slot index of each row of the block, and which rows are real (not padding)."""
+    slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return slot, slot < num_slots
+
+
+@triton.jit
+def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
+                 A_SCALE: tl.constexpr):
+    """Scales of one K step under block scaling: a group scale per row, a block scale per column."""
+    kb = k0 // SCALE_BLOCK
+    if A_SCALE == 3:
+        sa = tl.load(a_scale_ptr + a_rows * stride_asm + kb, mask=row_ok, other=0.0)
+    else:
+        sa = tl.full(a_rows.shape, 1.0, tl.float32)
+    sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + kb, mask=col_ok, other=0.0)
+    return sa, sw
+
+
+@triton.jit
+def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr):
+    if UPCAST_W:
+        b = b.to(a.dtype)
+    if W_SCALE == 3:
+        acc += tl.dot(a, b).to(tl.float32) * sa[:, None] * sw[None, :]
+    else:
+        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)  # int32 for int8 operands
+    return acc
+
+
+@triton.jit
+def _epilogue_scale(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok, stride_wsn,
+                    A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
+    """Apply the scales that factor out of the K sum (everything except block scales)."""
+    acc = acc.to(tl.float32)
+    if A_SCALE == 1:
+        acc = acc * tl.load(a_scale_ptr)
+    if A_SCALE == 2:
+        acc = acc * tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
+    if W_SCALE == 1:
+        acc = acc * tl.load(w_scale_e)
+    if W_SCALE == 2:
+        acc = acc * tl.load(w_scale_e + w_rows * stride_wsn, mask=col_ok, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:
+        out = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == 1:
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == 2:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * up  # tanh via sigmoid
+    else:
+        gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
+        out = gate * tl.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1.0)
+    return out
+
+
+@triton.jit
+def gemm1_gated_kernel(
+        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+        num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    a_rows = slot // top_k
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gate_rows = cols * gate_row_step
+    up_rows = gate_rows + up_row_offset
+    w_e = w_ptr + e * stride_we
+    ws_e = w_scale_ptr + e * stride_wse
+    acc_dtype = tl.int32 if ACC_INT else tl.float32
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        bg = tl.load(w_e + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        sa, sg, su = 1.0, 1.0, 1.0  # unused unless block-scaled
+        if W_SCALE == 3:
+            sa, sg = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, gate_rows, col_ok, stride_wsn, k0,
+                                  A_SCALE)
+            sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn, k0,
+                                  A_SCALE)
+        acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
+        acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
+    gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    up = _epilogue_scale(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = _gated_activation(gate, up, ACTIVATION)
+    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def gemm2_weighted_kernel(
+        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+        sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+        num_slots, num_m_blocks, N, K,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ACC_INT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n]) for n < N = H."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_e = w_ptr + e * stride_we
+    ws_e = w_scale_ptr + e * stride_wse
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if ACC_INT else tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_e + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        sa, sw = 1.0, 1.0  # unused unless block-scaled
+        if W_SCALE == 3:
+            sa, sw = _step_scales(a_scale_ptr, slot, row_ok, stride_asm, ws_e, cols, col_ok, stride_wsn, k0, A_SCALE)
+        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
+    out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out * tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,104 @@
+"""Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+import triton
+
+from moerules.activation import Activation
+from moerules.quant import Granularity
+
+from ..activations import is_interleaved
+from ..scheme import Scheme
+from ..weights import MoEWeights
+from .align import moe_align
+from .config import GemmConfig, MoEConfig, get_config
+from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
+                        gemm2_weighted_kernel)
+
+G = Granularity
+_A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3}
+_W_SCALE = {None: 0, G.tensor: 1, G.channel: 2, G.block128: 3}
+ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activation.gelu_tanh: ACT_GELU_TANH,
+                   Activation.swigluoai: ACT_SWIGLUOAI, Activation.swigluoai_uninterleave: ACT_SWIGLUOAI}
+
+
+def _scheme_flags(scheme: Scheme) -> dict:
+    return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
+                UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
+                ACC_INT=scheme.act_torch_dtype == torch.int8)
+
+
+def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(per-expert or per-row stride, per-N-row stride) of a scale tensor in the layouts of quantize.py."""
+    if scale is None or scale.dim() == 1:
+        return 1, 0
+    return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
+
+
+def _launch_kwargs(g: GemmConfig) -> dict:
+    return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, num_warps=g.num_warps,
+                num_stages=g.num_stages)
+
+
+def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, activation: Activation,
+              quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
+              out_dtype: torch.dtype, config: Optional[MoEConfig] = None) -> torch.Tensor:
+    """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
+
+    `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8).
+    `config` overrides the file/heuristic lookup (the tuner uses it).
+    """
+    scheme = weights.scheme
+    T, k = topk_ids.shape
+    E, H, I = weights.num_experts, weights.hidden, weights.intermediate
+    if T == 0:
+        return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
+    cfg = config or get_config(num_tokens=T, num_experts=E, intermediate=I, top_k=k, scheme=scheme,
+                               in_dtype_name=weights.in_dtype.value, device_name=_device_name(x_q.device))
+    align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
+    flags = _scheme_flags(scheme)
+    dummy = weights.w13
+    bias13 = weights.w13_bias if weights.has_bias else dummy
+    bias2 = weights.w2_bias if weights.has_bias else dummy
+
+    inter = torch.empty(T * k, I, dtype=out_dtype, device=x_q.device)
+    s13_e, s13_n = _scale_strides(weights.w13_scale)
+    interleaved = is_interleaved(activation)
+    g1 = cfg.gemm1
+    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g1.BLOCK_N),)](
+        x_q, a_scale if a_scale is not None else dummy, weights.w13,
+        weights.w13_scale if weights.w13_scale is not None else dummy, bias13, inter,
+        align.sorted_ids, align.expert_ids, align.num_post_padded,
+        T * k, align.num_blocks, I, H, k, 2 if interleaved else 1, 1 if interleaved else I,
+        x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+        weights.w13.stride(0), weights.w13.stride(1), s13_e, s13_n, bias13.stride(0), inter.stride(0),
+        HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
+        **flags, **_launch_kwargs(g1))
+
+    inter_q, inter_scale = quantize_intermediate(inter)
+    out = torch.empty(T * k, H, dtype=out_dtype, device=x_q.device)
+    s2_e, s2_n = _scale_strides(weights.w2_scale)
+    g2 = cfg.gemm2
+    gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g2.BLOCK_N),)](
+        inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
+        weights.w2_scale if weights.w2_scale is not None else dummy, bias2, topk_weights, out,
+        align.sorted_ids, align.expert_ids, align.num_post_padded,
+        T * k, align.num_blocks, H, I,
+        inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
+        weights.w2.stride(0), weights.w2.stride(1), s2_e, s2_n, bias2.stride(0), out.stride(0),
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2))
+    return out.view(T, k, H).sum(dim=1) if k > 1 else out
+
+
+def _device_name(device: torch.device) -> str:
+    return _cuda_name(device.index or 0) if device.type == "cuda" else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)  # a driver call; not on every forward

@@ -1,0 +1,78 @@
+"""Dynamic activation quantisation in one Triton pass per (row, group).
+
+Per-token and 1x128-group scales need the amax of a row slice before any element can be
+quantised. One program owns one slice, so the amax and the quantisation are two loops
+over data that is still in L1/L2: one HBM read and one write per element, against the
+four or five full passes of the torch expression.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moerules.quant import Granularity
+
+from ..quantize import _MIN_SCALE, qmax
+from ..scheme import QUANT_BLOCK
+
+
+@triton.jit
+def _slice_amax(x_row, start, end, BLOCK: tl.constexpr):
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(start, end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
+def _quantize_slice_kernel(x_ptr, q_ptr, scale_ptr, K, slice_len, stride_xm, stride_qm, stride_sm, q_max, min_scale,
+                           FIXED_SCALE: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    start = part * slice_len
+    end = tl.minimum(start + slice_len, K)
+    x_row = x_ptr + row * stride_xm
+    if FIXED_SCALE:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = tl.maximum(_slice_amax(x_row, start, end, BLOCK) / q_max, min_scale)
+        tl.store(scale_ptr + row * stride_sm + part, scale)
+    for k in range(start, end, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < end
+        y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) / scale
+        y = tl.minimum(tl.maximum(y, -q_max), q_max)
+        if TO_INT8:
+            y = tl.where(y >= 0, y + 0.5, y - 0.5)  # round half away from zero, as the torch path
+        tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_activation_triton(x: torch.Tensor, *, dtype: torch.dtype, granularity: Granularity,
+                               static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    x = x.contiguous()
+    q = torch.empty_like(x, dtype=dtype)
+    if granularity == Granularity.tensor:
+        if static_scale is not None:
+            scale = static_scale.float().reshape(1).contiguous()
+        else:
+            amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+            scale = (amax / qmax(dtype)).clamp_min(_MIN_SCALE).reshape(1)
+        slice_len, parts, fixed = K, 1, True
+    elif granularity == Granularity.token:
+        slice_len, parts, fixed = K, 1, False
+        scale = torch.empty(T, dtype=torch.float32, device=x.device)
+    else:
+        slice_len, parts, fixed = QUANT_BLOCK, triton.cdiv(K, QUANT_BLOCK), False
+        scale = torch.empty(T, parts, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(slice_len))
+    _quantize_slice_kernel[(T, parts)](x, q, scale, K, slice_len, x.stride(0), q.stride(0),
+                                      scale.stride(0) if scale.dim() == 2 else 1, qmax(dtype), _MIN_SCALE,
+                                      FIXED_SCALE=fixed, TO_INT8=dtype == torch.int8, BLOCK=block)
+    return q, scale

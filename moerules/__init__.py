@@ -1,0 +1,66 @@
+"""moerules: declarative fused-MoE backend selection that explains itself and runs.
+
+    from moerules import MoEConfig, decide
+    decision = decide(MoEConfig(model={...}, platform={...}))
+    print(decision.describe())
+
+The engine (durable-rules, or the reference evaluator) loads lazily, and the kernels
+(torch, Triton) only when `build` is called, so deciding needs neither torch nor a GPU.
+"""
+
+from pathlib import Path as _Path
+
+# In a source checkout the subpackages `moerules.engine` and `moerules.kernels` are the
+# repo's top-level engine/ and kernels/ folders (the wheel installs them inside this
+# package). Adding the checkout root to __path__ makes both layouts import the same way.
+_CHECKOUT = _Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
+
+from moerules.config import MoEConfig  # noqa: E402
+from moerules.decision import Decision, ReasonCode  # noqa: E402
+from moerules.errors import (BackendRejectedError,  # noqa: E402 KernelUnavailableError, MoeRulesError, RuleFileError,
+                             RuleSetError, UnknownBackendError)
+
+__version__ = "0.1.0"
+
+
+def decide(config, rules=None, engine: str = "auto") -> Decision:
+    """Decide the experts backend and dispatch plan for one MoE layer."""
+    from moerules.engine.decide import decide as _decide
+    return _decide(config, rules, engine)
+
+
+def explain(config, rules=None, engine: str = "auto", as_json: bool = False) -> str:
+    """The decision for `config` as a readable report (or stable JSON)."""
+    from moerules.engine.explain import explain_text
+    from moerules.engine.decide import decide as _decide
+    from moerules.errors import BackendRejectedError as _Rejected
+    try:
+        decision = _decide(config, rules, engine)
+    except _Rejected as error:
+        decision = error.decision
+    return decision.to_json() if as_json else explain_text(decision)
+
+
+def load_rules(path=None):
+    """Load and validate a folder of rule files (default: the shipped rule set)."""
+    from moerules.engine.loader import load_rules as _load
+    return _load(path)
+
+
+def detect():
+    """The current machine as a `Platform` (vendor, arch, kernel packages)."""
+    from moerules.engine.detect import detect as _detect
+    return _detect()
+
+
+def build(decision, weights, **kwargs):
+    """A runnable MoE layer on the kernels the decision names."""
+    from moerules.build import build as _build
+    return _build(decision, weights, **kwargs)
+
+
+__all__ = ["MoEConfig", "Decision", "ReasonCode", "decide", "explain", "load_rules", "detect", "build",
+           "MoeRulesError", "RuleFileError", "RuleSetError", "UnknownBackendError", "BackendRejectedError",
+           "KernelUnavailableError"]

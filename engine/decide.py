@@ -1,0 +1,245 @@
+"""`decide`: config in, `Decision` out; pure, deterministic and cached.
+
+Policy lives here, not in the rules: a pinned backend is honoured or the call fails
+naming the rule that rejected it; auto mode may degrade, and every degradation is
+recorded in the Decision and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional, Union
+
+from moerules.config import MoEConfig
+from moerules.decision import (ActivationFormat, Decision, Outcome, Padding, QuantizedBy, QuantPlacement,
+                               ReasonCode, SelectedBy)
+from moerules.errors import BackendRejectedError, EngineError, UnknownBackendError
+from moerules.engine.compiler import CompiledRules, compile_rules
+from moerules.engine.evaluate import Evaluation, PhaseRunner, effective_order, merged_plan, single
+from moerules.engine.expr import suggest
+from moerules.engine.loader import load_rules
+from moerules.engine.reference_runner import ReferenceRunner
+from moerules.engine.ruleset import RuleSet
+from moerules.engine import durable_runner
+
+log = logging.getLogger("moerules")
+RulesArg = Union[RuleSet, str, Path, None]
+_CACHE_SIZE = 4096
+
+
+class Engine:
+    """One rule-set version, compiled once, bound to one evaluator, with an LRU of decisions."""
+
+    def __init__(self, ruleset: RuleSet, engine: str = "auto"):
+        self.ruleset = ruleset
+        self.compiled: CompiledRules = compile_rules(ruleset)
+        self.runner = _make_runner(self.compiled, engine)
+        self._cache: OrderedDict[MoEConfig, Decision] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.runner.name
+
+    def decide(self, config: MoEConfig) -> Decision:
+        self._check_pin(config)
+        with self._lock:
+            cached = self._cache.get(config)
+            if cached is not None:
+                self._cache.move_to_end(config)
+        if cached is None:
+            cached = self._evaluate(config)
+            with self._lock:
+                self._cache[config] = cached
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if cached.outcome == Outcome.unsupported and cached.requested != "auto":
+            raise BackendRejectedError(cached)
+        return cached
+
+    def _check_pin(self, config: MoEConfig) -> None:
+        requested = config.features.backend
+        if requested != "auto" and requested not in self.ruleset.backends:
+            names = sorted(self.ruleset.backends)
+            raise UnknownBackendError(requested, names, suggest(requested, names))
+
+    def _evaluate(self, config: MoEConfig) -> Decision:
+        with self.runner.session() as session:
+            phases = PhaseRunner(self.compiled, session, config)
+            return _Assembler(self, config, phases).run()
+
+
+class _Assembler:
+    """Turns what fired into a Decision: ranking, selection, dispatch plan, padding."""
+
+    def __init__(self, engine: Engine, config: MoEConfig, phases: PhaseRunner):
+        self.engine, self.config, self.phases = engine, config, phases
+        self.ruleset = engine.ruleset
+        self.requested = config.features.backend
+
+    def run(self) -> Decision:
+        evaluation = self.phases.screen()
+        dispatch_rule = single(evaluation.dispatch_rules, "the prepare/finalize")
+        if dispatch_rule is None:
+            return self._unsupported(evaluation, "no prepare/finalize rule matches this parallel configuration "
+                                     f"(all2all_backend={self.config.parallel.all2all_backend.value}, "
+                                     f"use_all2all={self.config.parallel.use_all2all}); "
+                                     "expert parallelism never runs without a dispatcher", ReasonCode.no_dispatcher)
+        dispatcher = dispatch_rule.item.use
+        if dispatcher not in evaluation.eligible:
+            reasons = "; ".join(r.describe() for r in evaluation.rejections if r.backend == dispatcher)
+            first = next(r.reason for r in evaluation.rejections if r.backend == dispatcher)
+            return self._unsupported(evaluation, f"prepare/finalize {dispatcher} (chosen by {dispatch_rule.id}) "
+                                     f"is rejected: {reasons}", first)
+        order, _ = effective_order(evaluation.priority_rules)
+        eligible = [b for b in order if b in evaluation.eligible]
+        # Eligible backends a platform list omits stay pinnable; lint reports the omission.
+        eligible += sorted(b for b in evaluation.eligible if b in self.ruleset.backends and b not in order)
+        winner, selected_by, fallback = self._choose(evaluation, order, eligible)
+        if winner is None:
+            pinned = [r.reason for r in evaluation.rejections if r.backend == self.requested]
+            return self._unsupported(evaluation, self._no_backend_message(evaluation, eligible),
+                                     pinned[0] if pinned else None)
+        return self._selected(evaluation, winner, dispatcher, selected_by, fallback,
+                              [b for b in eligible if b != winner])
+
+    def _choose(self, evaluation: Evaluation, order: list[str], eligible: list[str]):
+        if self.requested != "auto":
+            if self.requested in evaluation.eligible:
+                return self.requested, SelectedBy.pinned, None
+            return None, None, None
+        auto = [b for b in order if b in evaluation.eligible]
+        if not auto:
+            return None, None, None
+        winner = auto[0]
+        fallback = self._fallback_rule(evaluation, order[:order.index(winner)])
+        return winner, (SelectedBy.fallback if fallback else SelectedBy.auto), fallback
+
+    def _fallback_rule(self, evaluation: Evaluation, better: list[str]) -> Optional[str]:
+        """The rule that made auto mode give up a better-ranked backend, if only fallback rules did."""
+        for backend in better:
+            rejections = [r for r in evaluation.rejections if r.backend == backend]
+            rules = [self.ruleset.rule(r.rule) for r in rejections]
+            if rules and all(rule.item.fallback for rule in rules):
+                return rules[0].id
+        return None
+
+    def _no_backend_message(self, evaluation: Evaluation, eligible: list[str]) -> str:
+        if self.requested != "auto":
+            reasons = "; ".join(r.describe() for r in evaluation.rejections if r.backend == self.requested)
+            alternatives = ", ".join(eligible) or "none"
+            return (f"requested backend {self.requested!r} is rejected: {reasons}. "
+                    f"Eligible alternatives: {alternatives}")
+        candidates = "; ".join(r.describe() for r in evaluation.rejections if r.backend in self.ruleset.backends)
+        return f"no backend supports this configuration. Candidates: {candidates}"
+
+    def _selected(self, evaluation, winner, dispatcher, selected_by, fallback, alternatives) -> Decision:
+        backend = self.ruleset.backends[winner].item
+        placement = merged_plan(self.phases.plan("placement", backend=winner, dispatcher=dispatcher))
+        expects = placement.get("expects_unquantized_inputs", (backend.expects_unquantized_inputs, None))[0]
+        quant_rule = single(self.phases.plan("quantization", backend=winner, dispatcher=dispatcher,
+                                             expects_unquantized_inputs=expects), "the activation quantization")
+        if quant_rule is None:
+            raise EngineError(f"no plan rule decides how activations reach {winner} behind {dispatcher}; "
+                              "every (backend, dispatcher) pair needs a quantization rule")
+        if fallback:
+            log.warning("moerules: auto mode fell back to %s by rule %s", winner, fallback)
+        return Decision(
+            outcome=Outcome.selected, backend=winner, kernel=backend.kernel,
+            external_package=backend.external.value if backend.external else None,
+            prepare_finalize=dispatcher, activation_format=backend.format, monolithic=backend.monolithic,
+            quant=self._quant(quant_rule, expects, placement), padding=self._padding(placement),
+            selected_by=selected_by, fallback_rule=fallback, alternatives=tuple(alternatives),
+            **self._common(evaluation))
+
+    def _quant(self, rule, expects: bool, placement: dict) -> QuantPlacement:
+        values = rule.item.set.values
+        scale_dim = values["scale_dim"]
+        if isinstance(scale_dim, str):
+            scale_dim = self.phases.flat[scale_dim]
+        dtype = values["dispatch_dtype"]
+        dtype = self.config.model.in_dtype.value if dtype == "input" else self.phases.flat.get(dtype, dtype)
+        placement_rules = tuple(sorted({r.id for _, r in placement.values() if r is not None}))
+        return QuantPlacement(
+            quantized_by=QuantizedBy(values["quantized_by"]), expects_unquantized_inputs=expects,
+            defer_input_quant=expects, dispatch_dtype=dtype, scale_dim=scale_dim,
+            scale_type_size=values["scale_type_size"], rules=placement_rules + (rule.id,))
+
+    def _padding(self, placement: dict) -> Padding:
+        hidden = self.config.model.hidden_size
+        inter = self.config.intermediate_per_partition
+        hidden_padded = _round_up(hidden, placement.get("round_up_hidden", (1, None))[0])
+        inter_padded = _round_up(inter, placement.get("round_up_intermediate", (1, None))[0])
+        return Padding(hidden_pad=hidden_padded - hidden, intermediate_pad=inter_padded - inter,
+                       hidden_padded=hidden_padded, intermediate_padded=inter_padded)
+
+    def _unsupported(self, evaluation: Evaluation, error: str,
+                     reason: Optional[ReasonCode] = None) -> Decision:
+        return Decision(outcome=Outcome.unsupported, error=error, failure_reason=reason,
+                        **self._common(evaluation))
+
+    def _common(self, evaluation: Evaluation) -> dict:
+        return dict(requested=self.requested, rejections=tuple(evaluation.rejections),
+                    rules_hash=self.ruleset.hash, engine=self.engine.name,
+                    trace=tuple(sorted(evaluation.fired)), config=self.config)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _make_runner(compiled: CompiledRules, engine: str):
+    if engine not in ("auto", "durable", "reference"):
+        raise ValueError(f"engine={engine!r}: choose auto, durable or reference")
+    if engine == "reference" or (engine == "auto" and durable_runner.IMPORT_ERROR):
+        if engine == "auto":
+            _log_once(f"moerules: durable-rules unavailable ({durable_runner.IMPORT_ERROR}); "
+                      "using the reference evaluator")
+        return ReferenceRunner(compiled)
+    return durable_runner.DurableRunner(compiled)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+# -- module-level API -----------------------------------------------------------------------
+_engines: dict[tuple, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(rules: RulesArg = None, engine: str = "auto") -> Engine:
+    """The Engine of a rule set, built once per (content hash, evaluator)."""
+    ruleset = rules if isinstance(rules, RuleSet) else _load_cached(rules)
+    key = (ruleset.hash, engine)
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = Engine(ruleset, engine)
+        return _engines[key]
+
+
+_loaded: dict[tuple, RuleSet] = {}
+
+
+def _load_cached(path) -> RuleSet:
+    """Reload a rules folder only when one of its files changed."""
+    from moerules.resources import default_rules_dir
+    root = Path(path) if path is not None else default_rules_dir()
+    files = sorted(root.glob("*.yaml")) if root.is_dir() else [root]
+    stamp = (str(root.resolve()), path is None) + tuple((f.name, f.stat().st_mtime_ns) for f in files if f.exists())
+    if stamp not in _loaded:
+        _loaded[stamp] = load_rules(path)
+    return _loaded[stamp]
+
+
+def decide(config: MoEConfig, rules: RulesArg = None, engine: str = "auto") -> Decision:
+    """Decide the MoE backend for `config` under `rules` (default: the shipped rule set)."""
+    return engine_for(rules, engine).decide(config)

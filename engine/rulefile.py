@@ -1,0 +1,185 @@
+"""The rule-file format: pydantic models that YAML rule files are validated against.
+
+A rule file may hold any of the sections below; a rule set is the union of the files of
+one folder. Conditions are strings in the expression language of `expr.py`; they are
+parsed after this structural validation, so both kinds of error carry file:line:col.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moerules.config import Package
+from moerules.decision import ActivationFormat, QuantizedBy, ReasonCode
+
+_ID = r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Component(BaseModel):
+    """Something a decision can name: an experts backend or a prepare/finalize."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    kernel: Optional[str] = Field(None, pattern=_ID, description="Registry id of our own kernel, e.g. triton.fused_moe.")
+    external: Optional[Package] = Field(None, description="Package an external kernel comes from; selectable only where present.")
+    requires: list[Package] = Field([], description="Packages our own kernel needs (e.g. triton).")
+    format: ActivationFormat = ActivationFormat.standard
+    description: str = ""
+
+    @property
+    def packages(self) -> list[Package]:
+        """Every package this component needs; each gets a generated `package.<id>` constraint."""
+        return ([self.external] if self.external else []) + list(self.requires)
+
+    @model_validator(mode="after")
+    def _kernel_xor_external(self):
+        if (self.kernel is None) == (self.external is None):
+            raise ValueError("give exactly one of 'kernel' (a registered kernel id) or 'external' (a package)")
+        return self
+
+
+class Backend(_Component):
+    """An experts backend and its static capabilities (the `backend.*` fields of conditions)."""
+
+    monolithic: bool = False
+    lora: bool = False
+    bias: bool = True
+    expert_map: bool = True
+    batch_invariant: bool = False
+    expects_unquantized_inputs: bool = Field(
+        False, description="Default; `plan` rules may override it depending on the dispatcher.")
+
+
+class Dispatcher(_Component):
+    """A prepare/finalize: how tokens reach the experts and come back."""
+
+
+class Constraint(BaseModel):
+    """Reject each listed component unless `require` holds (whenever `when` holds)."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=_ID)
+    applies_to: Union[Literal["all_backends"], list[str]] = Field(
+        description="Backend/dispatcher ids, or all_backends (then `backend.*` fields are resolved per backend).")
+    when: Optional[str] = None
+    require: str
+    reason: ReasonCode
+    message: str = Field(min_length=1, description="Detail for the rejection; {field.path} placeholders are filled in.")
+    fallback: bool = Field(False, description="Losing a better-ranked backend to this rule is a recorded degradation.")
+    cite: Optional[str] = None
+
+
+class Priority(BaseModel):
+    """Per-platform preference: a base `order`, or a `demote`/`promote` applied after it, in file order."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=_ID)
+    when: Optional[str] = None
+    order: Optional[list[str]] = None
+    demote: Optional[list[str]] = None
+    promote: Optional[list[str]] = None
+    cite: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_action(self):
+        given = [name for name in ("order", "demote", "promote") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'order', 'demote' or 'promote'")
+        if not getattr(self, given[0]):
+            raise ValueError(f"'{given[0]}' must list at least one backend")
+        return self
+
+    @property
+    def action(self) -> str:
+        return "order" if self.order is not None else "demote" if self.demote is not None else "promote"
+
+    @property
+    def backends(self) -> list[str]:
+        return getattr(self, self.action)
+
+
+class DispatchRule(BaseModel):
+    """Which prepare/finalize serves the parallel configuration. Exactly one must match."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=_ID)
+    when: str
+    use: str
+    cite: Optional[str] = None
+
+
+class PlanStage(str, Enum):
+    placement = "placement"          # who expects what: decided once backend and dispatcher are known
+    quantization = "quantization"    # what crosses the dispatcher: needs the placement
+
+
+QUANT_KEYS = frozenset({"quantized_by", "dispatch_dtype", "scale_dim", "scale_type_size"})
+
+
+class PlanSet(BaseModel):
+    """Plan values a rule sets. Placement keys and quantization keys never mix in one rule."""
+
+    model_config = _STRICT
+
+    expects_unquantized_inputs: Optional[bool] = None
+    round_up_hidden: Optional[int] = Field(None, ge=1)
+    round_up_intermediate: Optional[int] = Field(None, ge=1)
+    quantized_by: Optional[QuantizedBy] = None
+    dispatch_dtype: Optional[str] = Field(
+        None, description="'input' for the layer's in_dtype, or a config field such as quant.activation.dtype.")
+    scale_dim: Optional[Union[int, str]] = Field(None, description="A number, or an int field such as model.hidden_groups_128.")
+    scale_type_size: Optional[int] = Field(None, ge=0)
+
+    @property
+    def values(self) -> dict:
+        return self.model_dump(exclude_none=True, mode="json")
+
+    @property
+    def stage(self) -> PlanStage:
+        return PlanStage.quantization if QUANT_KEYS & set(self.values) else PlanStage.placement
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        keys = set(self.values)
+        if not keys:
+            raise ValueError("'set' must give at least one plan value")
+        if keys & QUANT_KEYS and keys != QUANT_KEYS:
+            raise ValueError(f"a quantization rule sets exactly {sorted(QUANT_KEYS)}, "
+                             "and placement values go in a separate rule")
+        return self
+
+
+class PlanRule(BaseModel):
+    """Dispatch-plan facts that depend on the chosen backend and dispatcher."""
+
+    model_config = _STRICT
+
+    id: str = Field(pattern=_ID)
+    backends: Optional[list[str]] = None
+    dispatchers: Optional[list[str]] = None
+    when: Optional[str] = None
+    set: PlanSet
+    cite: Optional[str] = None
+
+
+class RuleFile(BaseModel):
+    """One YAML rule file."""
+
+    model_config = _STRICT
+
+    version: Literal[1] = 1
+    description: str = ""
+    backends: list[Backend] = []
+    dispatchers: list[Dispatcher] = []
+    constraints: list[Constraint] = []
+    priorities: list[Priority] = []
+    dispatch: list[DispatchRule] = []
+    plan: list[PlanRule] = []

@@ -1,0 +1,274 @@
+"""`MoEConfig`: the closed, typed input of a decision.
+
+Everything a rule may read is a field or a computed field here. Rules compare values;
+they never do arithmetic, so every derived quantity they need (alignment, the
+per-partition intermediate size, whether all2all is in use) is computed once, here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+
+from moerules.activation import Activation, Dtype
+from moerules.quant import QuantConfig
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+def pow2_alignment(value: int) -> int:
+    """Largest power of two dividing `value` (capped at 4096, which every rule treats as 'aligned')."""
+    return min(value & -value, 4096) if value > 0 else 0
+
+
+class Routing(str, Enum):
+    """How router logits become top-k expert ids and weights."""
+
+    softmax_renormalize = "softmax_renormalize"   # Mixtral, Qwen3 MoE
+    softmax = "softmax"                           # no renormalisation after top-k
+    deepseek_v3 = "deepseek_v3"                   # sigmoid + grouped top-k + correction bias
+    sigmoid = "sigmoid"
+    llama4 = "llama4"
+
+
+class ModelShape(BaseModel):
+    model_config = _FROZEN
+
+    num_experts: int = Field(ge=1, le=4096, description="Global number of routed experts.")
+    top_k: int = Field(ge=1, description="Experts per token.")
+    hidden_size: int = Field(ge=1, description="Model hidden size (K of GEMM1, N of GEMM2).")
+    intermediate_size: int = Field(ge=1, description="Expert intermediate size before tensor-parallel sharding.")
+    activation: Activation = Activation.silu
+    has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
+    in_dtype: Dtype = Dtype.bf16
+    routing: Routing = Routing.softmax_renormalize
+
+    @model_validator(mode="after")
+    def _top_k_within_experts(self) -> "ModelShape":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+    @computed_field
+    @property
+    def gated(self) -> bool:
+        return self.activation.gated
+
+    @computed_field
+    @property
+    def hidden_align(self) -> int:
+        """Largest power-of-two divisor of hidden_size (for alignment gates)."""
+        return pow2_alignment(self.hidden_size)
+
+    @computed_field
+    @property
+    def hidden_groups_128(self) -> int:
+        """Activation scales per token with 1x128 groups (block-FP8 dispatch)."""
+        return -(-self.hidden_size // 128)
+
+    @computed_field
+    @property
+    def hidden_groups_32(self) -> int:
+        """Activation scales per token with MX 1x32 groups."""
+        return -(-self.hidden_size // 32)
+
+    @computed_field
+    @property
+    def hidden_groups_16(self) -> int:
+        """Activation scales per token with NVFP4 1x16 groups."""
+        return -(-self.hidden_size // 16)
+
+
+class All2AllBackend(str, Enum):
+    """The expert-parallel token exchange requested by the deployment."""
+
+    allgather_reducescatter = "allgather_reducescatter"
+    torch_all2all = "torch_all2all"               # ours, over torch.distributed
+    deepep_high_throughput = "deepep_high_throughput"
+    deepep_low_latency = "deepep_low_latency"
+    mori = "mori"
+    nixl_ep = "nixl_ep"
+    flashinfer_nvlink = "flashinfer_nvlink"
+
+
+# Backends that hand experts a [E_local, max_tokens, K] batch instead of a token list.
+BATCHED_ALL2ALL = frozenset({All2AllBackend.deepep_low_latency, All2AllBackend.nixl_ep})
+
+
+class Parallel(BaseModel):
+    model_config = _FROZEN
+
+    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+    dp: int = Field(1, ge=1, description="Data-parallel size.")
+    expert_parallel: bool = Field(False, description="Shard experts over the tp*dp ranks instead of tensor-sharding them.")
+    all2all_backend: All2AllBackend = All2AllBackend.allgather_reducescatter
+    eplb: bool = Field(False, description="Expert-parallel load balancing (redundant experts).")
+
+    @computed_field
+    @property
+    def use_ep(self) -> bool:
+        return self.expert_parallel and self.tp * self.dp > 1
+
+    @computed_field
+    @property
+    def ep_size(self) -> int:
+        return self.tp * self.dp if self.use_ep else 1
+
+    @computed_field
+    @property
+    def moe_tp(self) -> int:
+        """TP degree the expert weights are sharded over (flattened across DP; 1 under EP)."""
+        return 1 if self.use_ep else self.tp * self.dp
+
+    @computed_field
+    @property
+    def use_all2all(self) -> bool:
+        """EP with DP>1 exchanges tokens; TP+EP with dp=1 uses an expert map and all-reduce instead."""
+        return self.use_ep and self.dp > 1
+
+    @computed_field
+    @property
+    def batched_format(self) -> bool:
+        return self.use_all2all and self.all2all_backend in BATCHED_ALL2ALL
+
+
+class Vendor(str, Enum):
+    cuda = "cuda"
+    rocm = "rocm"
+    xpu = "xpu"
+    cpu = "cpu"
+
+
+class Package(str, Enum):
+    """Kernel packages a backend may need; `detect()` probes them, a what-if config states them."""
+
+    triton = "triton"
+    aiter = "aiter"
+    flashinfer = "flashinfer"
+    deep_gemm = "deep_gemm"
+    vllm_cutlass = "vllm_cutlass"
+    marlin = "marlin"
+    triton_kernels = "triton_kernels"
+    deep_ep = "deep_ep"
+    mori = "mori"
+    nixl_ep = "nixl_ep"
+    xpu_kernels = "xpu_kernels"
+
+
+_ARCH_PREFIX = {Vendor.cuda: "sm_", Vendor.rocm: "gfx", Vendor.xpu: "xe", Vendor.cpu: ""}
+
+
+class Platform(BaseModel):
+    model_config = _FROZEN
+
+    vendor: Vendor = Vendor.cuda
+    arch: str = Field("sm_90", description="sm_90, sm_100, gfx942, gfx950, gfx1200, xe_hpc, x86_64, aarch64 ...")
+    packages: frozenset[Package] = Field(frozenset({Package.triton}),
+                                         description="Kernel packages importable on the platform.")
+    torch_grouped_mm: bool = Field(True, description="torch provides _grouped_mm/_scaled_grouped_mm (torch>=2.8).")
+
+    @field_validator("arch")
+    @classmethod
+    def _arch_shape(cls, arch: str) -> str:
+        if not arch or not all(c.isalnum() or c == "_" for c in arch):
+            raise ValueError(f"arch {arch!r} must be a name such as sm_90, gfx950 or x86_64")
+        return arch.lower()
+
+    @model_validator(mode="after")
+    def _arch_matches_vendor(self) -> "Platform":
+        prefix = _ARCH_PREFIX[self.vendor]
+        if prefix and not self.arch.startswith(prefix):
+            raise ValueError(f"arch {self.arch!r} does not belong to vendor {self.vendor.value!r} "
+                             f"(expected a name starting with {prefix!r})")
+        if self.vendor == Vendor.cuda and not self.arch[3:].isdigit():
+            raise ValueError(f"CUDA arch {self.arch!r} must be sm_<capability>, e.g. sm_90 or sm_120")
+        return self
+
+    @computed_field
+    @property
+    def cc(self) -> int:
+        """CUDA compute capability as an integer (sm_90 -> 90); 0 on other vendors."""
+        return int(self.arch[3:]) if self.vendor == Vendor.cuda else 0
+
+    @computed_field
+    @property
+    def cc_family(self) -> int:
+        """SM family (90, 100, 110, 120); 0 on other vendors."""
+        return self.cc // 10 * 10
+
+    @computed_field
+    @property
+    def gfx9(self) -> bool:
+        return self.vendor == Vendor.rocm and self.arch.startswith("gfx9")
+
+    @computed_field
+    @property
+    def gfx12(self) -> bool:
+        return self.vendor == Vendor.rocm and self.arch.startswith("gfx12")
+
+    def has(self, package: Package) -> bool:
+        return package in self.packages
+
+
+class Features(BaseModel):
+    model_config = _FROZEN
+
+    lora: bool = Field(False, description="LoRA adapters on the experts.")
+    batch_invariant: bool = Field(False, description="Results must not depend on batch composition.")
+    backend: str = Field("auto", description="Requested experts backend: 'auto' or a backend id of the rule set.")
+
+    @field_validator("backend")
+    @classmethod
+    def _normalise(cls, name: str) -> str:
+        return name.strip().lower().replace("-", "_")
+
+
+class MoEConfig(BaseModel):
+    """One MoE layer in one deployment."""
+
+    model_config = _FROZEN
+
+    model: ModelShape
+    quant: QuantConfig = QuantConfig()
+    parallel: Parallel = Parallel()
+    platform: Platform = Platform()
+    features: Features = Features()
+
+    @model_validator(mode="after")
+    def _intermediate_shards_evenly(self) -> "MoEConfig":
+        tp = self.parallel.moe_tp
+        if self.model.intermediate_size % tp:
+            raise ValueError(f"model.intermediate_size={self.model.intermediate_size} is not divisible by the "
+                             f"MoE tensor-parallel size {tp} (parallel.tp * parallel.dp without expert_parallel)")
+        return self
+
+    @computed_field
+    @property
+    def intermediate_per_partition(self) -> int:
+        return self.model.intermediate_size // self.parallel.moe_tp
+
+    @computed_field
+    @property
+    def intermediate_align(self) -> int:
+        """Largest power-of-two divisor of the per-partition intermediate size."""
+        return pow2_alignment(self.intermediate_per_partition)
+
+    def facts(self) -> dict:
+        """The config as the plain, fully-populated fact the rule engines match against."""
+        data = self.model_dump(mode="json")
+        weight, act = self.quant.weight_key, self.quant.activation_key
+        data["quant"] = {
+            "family": self.quant.family.value,
+            "weight": _key_fact(weight),
+            "activation": _key_fact(act),
+        }
+        data["platform"]["packages"] = {p.value: p in self.platform.packages for p in Package}
+        return data
+
+
+def _key_fact(key) -> dict:
+    """Weight/activation key as facts; an absent key is spelled out so no field is ever missing."""
+    if key is None:
+        return {"quantized": False, "dtype": "none", "granularity": "none", "dynamic": False, "scale_dtype": "none"}
+    return {"quantized": True, **key.model_dump(mode="json")}
+

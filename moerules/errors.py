@@ -1,0 +1,58 @@
+"""The errors moerules raises. Each names what is wrong, where, and how to fix it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from moerules.decision import Decision
+
+
+class MoeRulesError(Exception):
+    """Base class: every error moerules raises on purpose."""
+
+
+class RuleFileError(MoeRulesError):
+    """A rule file is malformed. Carries file:line:col and the rule id when known."""
+
+    def __init__(self, message: str, *, file: str, line: int = 0, col: int = 0,
+                 rule: Optional[str] = None, hint: Optional[str] = None):
+        self.file, self.line, self.col, self.rule, self.hint = file, line, col, rule, hint
+        self.message = message
+        where = f"{file}:{line}:{col}" if line else file
+        text = f"{where}: " + (f"[{rule}] " if rule else "") + message
+        super().__init__(text + (f" ({hint})" if hint else ""))
+
+
+class RuleSetError(MoeRulesError):
+    """Several rule-file errors found in one load; all are reported, not just the first."""
+
+    def __init__(self, errors: Sequence[RuleFileError]):
+        self.errors = list(errors)
+        super().__init__(f"{len(self.errors)} error(s) in the rules:\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+class UnknownBackendError(MoeRulesError, ValueError):
+    """A requested backend name is not declared by the rule set."""
+
+    def __init__(self, name: str, valid: Sequence[str], suggestion: Optional[str] = None):
+        self.name, self.valid = name, list(valid)
+        hint = f" Did you mean {suggestion!r}?" if suggestion else ""
+        super().__init__(f"features.backend={name!r} is not a backend of this rule set.{hint} "
+                         f"Valid names: auto, {', '.join(self.valid)}")
+
+
+class BackendRejectedError(MoeRulesError):
+    """The user pinned a backend and the rules reject it; never silently replaced."""
+
+    def __init__(self, decision: "Decision"):
+        self.decision = decision
+        super().__init__(decision.error)
+
+
+class EngineError(MoeRulesError):
+    """The rule engine failed while evaluating (a rule conflict or an engine fault)."""
+
+
+class KernelUnavailableError(MoeRulesError):
+    """A decision names a kernel that cannot be built here (external package, or not registered)."""

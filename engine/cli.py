@@ -1,0 +1,231 @@
+"""The `moerules` command line. Exit codes: 0 ok, 1 unsupported config, 2 invalid input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from pydantic import ValidationError
+
+from moerules.config import MoEConfig
+from moerules.errors import BackendRejectedError, MoeRulesError
+from moerules.presets import PRESETS, preset
+
+OK, UNSUPPORTED, INVALID = 0, 1, 2
+
+
+class InputError(Exception):
+    """Bad command-line input; printed without a traceback, exit code 2."""
+
+
+# -- building a config ----------------------------------------------------------------------
+def _read_config_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))  # JSON is YAML too
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise InputError(f"{where}: invalid YAML/JSON: {getattr(error, 'problem', error)}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a config is a mapping with model/quant/parallel/platform/features sections")
+    if isinstance(data.get("model"), str):  # `model: mixtral-8x7b` names a preset
+        data = _merge(_preset(data["model"]), {k: v for k, v in data.items() if k != "model"})
+    return data
+
+
+def _preset(name: str) -> dict:
+    try:
+        return preset(name)
+    except KeyError as error:
+        raise InputError(error.args[0]) from None
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = values
+    return merged
+
+
+def _flags_to_sections(args) -> dict:
+    sections: dict = {}
+
+    def put(section: str, key: str, value) -> None:
+        if value is not None:
+            sections.setdefault(section, {})[key] = value
+
+    put("quant", "family", args.quant)
+    put("quant", "weight_granularity", args.weight_granularity)
+    put("quant", "activation_granularity", args.activation_granularity)
+    put("parallel", "tp", args.tp)
+    put("parallel", "dp", args.dp)
+    put("parallel", "expert_parallel", True if args.ep else None)
+    put("parallel", "all2all_backend", args.all2all)
+    put("features", "lora", True if args.lora else None)
+    put("features", "backend", args.backend)
+    if args.platform:
+        vendor, _, arch = args.platform.partition(":")
+        put("platform", "vendor", vendor)
+        put("platform", "arch", arch or None)
+    if args.packages is not None:
+        put("platform", "packages", [p for p in args.packages.split(",") if p])
+    return sections
+
+
+def build_config(args) -> MoEConfig:
+    if args.config and args.model:
+        raise InputError("give a config file or --model, not both")
+    if args.config:
+        data = _read_config_file(args.config)
+    elif args.model:
+        data = _preset(args.model)
+    else:
+        raise InputError("give a config file (YAML/JSON) or --model PRESET "
+                         f"(presets: {', '.join(sorted(PRESETS))})")
+    data = _merge(data, _flags_to_sections(args))
+    if args.detect:
+        from moerules.engine.detect import detect
+        data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm"})
+    try:
+        return MoEConfig.model_validate(data)
+    except ValidationError as error:
+        raise InputError(_pydantic_message(error, args.config or f"--model {args.model}")) from None
+
+
+def _pydantic_message(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid config"]
+    for detail in error.errors():
+        field = ".".join(str(p) for p in detail["loc"]) or "config"
+        lines.append(f"  {field}: {detail['msg']}")
+    return "\n".join(lines)
+
+
+# -- commands -------------------------------------------------------------------------------
+def _decision(args):
+    from moerules.engine.decide import decide
+    try:
+        return decide(build_config(args), args.rules, args.engine)
+    except BackendRejectedError as error:  # a rejected pin is still a full, explainable record
+        return error.decision
+
+
+def cmd_decide(args) -> int:
+    decision = _decision(args)
+    print(decision.to_json() if args.json else decision.describe())
+    return OK if decision.outcome.value == "selected" else UNSUPPORTED
+
+
+def cmd_explain(args) -> int:
+    from moerules.engine.explain import explain_text
+    decision = _decision(args)
+    print(decision.to_json() if args.json else explain_text(decision))
+    return OK if decision.outcome.value == "selected" else UNSUPPORTED
+
+
+def cmd_lint(args) -> int:
+    from moerules.engine.lint import lint
+    report = lint(args.rules)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+    return INVALID if report.errors else OK
+
+
+def cmd_schema(args) -> int:
+    from moerules.engine import schema_export
+    from moerules.resources import schema_dir
+    out = Path(args.out) if args.out else schema_dir()
+    if args.check:
+        stale = schema_export.stale(out)
+        for name in stale:
+            print(f"{out / name}: stale; run `moerules schema` and commit the result")
+        return INVALID if stale else OK
+    for path in schema_export.write(out):
+        print(f"wrote {path}")
+    return OK
+
+
+def cmd_run(args) -> int:
+    from moerules.run import run_example
+    decision = _decision(args)
+    print(decision.describe())
+    if decision.outcome.value != "selected":
+        return UNSUPPORTED
+    report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device)
+    for key, value in report.items():
+        print(f"{key}: {value}")
+    return OK
+
+
+# -- argument parsing -----------------------------------------------------------------------
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
+    parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
+    parser.add_argument("--quant", help="quant family, e.g. fp8_w8a8, mxfp4_w4a16 (default: the preset's)")
+    parser.add_argument("--weight-granularity", help="tensor, channel or block128 (fp8/int8 families)")
+    parser.add_argument("--activation-granularity", help="tensor, token or group128")
+    parser.add_argument("--platform", help="VENDOR[:ARCH], e.g. cuda:sm_90, rocm:gfx950, cpu:x86_64")
+    parser.add_argument("--packages", help="comma-separated kernel packages present, e.g. triton,aiter")
+    parser.add_argument("--detect", action="store_true", help="take the platform from this machine")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size")
+    parser.add_argument("--dp", type=int, help="data-parallel size")
+    parser.add_argument("--ep", action="store_true", help="enable expert parallelism")
+    parser.add_argument("--all2all", help="all2all backend, e.g. torch_all2all, deepep_low_latency, mori")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
+    parser.add_argument("--backend", help="pin an experts backend (default auto)")
+    _rules_arguments(parser)
+
+
+def _rules_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    parser.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],
+                        help="rule evaluator (default: durable-rules where importable)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
+        " Decide, explain and run the fused-MoE kernel backend for a layer."))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, func, text in (("decide", cmd_decide, "print the decision as one line (or --json)"),
+                             ("explain", cmd_explain, "winner, alternatives and every rejection with rule and file:line")):
+        sub = commands.add_parser(name, help=text, description=text)
+        _config_arguments(sub)
+        sub.add_argument("--json", action="store_true", help="the stable JSON record")
+        sub.set_defaults(func=func)
+    lint = commands.add_parser("lint", help="static checks of a rule set", description="static checks of a rule set")
+    lint.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    lint.add_argument("--json", action="store_true")
+    lint.set_defaults(func=cmd_lint)
+    schema = commands.add_parser("schema", help="write the JSON Schema files", description="write the JSON Schema files")
+    schema.add_argument("--out", help="folder (default: the package's schema/)")
+    schema.add_argument("--check", action="store_true", help="fail if the committed files are stale")
+    schema.set_defaults(func=cmd_schema)
+    run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
+                              description="decide, build the layer with seeded weights, run one forward pass")
+    _config_arguments(run)
+    run.add_argument("--tokens", type=int, default=16, help="tokens in the forward pass (default 16)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (InputError, MoeRulesError) as error:
+        print(f"moerules: {error}", file=sys.stderr)
+        return INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Probe the current machine once into a `Platform` (rules never read the environment)."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform as _host
+
+from moerules.config import Package, Platform, Vendor
+
+# Which importable module proves a kernel package is present.
+_PROBES = {
+    Package.triton: "triton", Package.aiter: "aiter", Package.flashinfer: "flashinfer",
+    Package.deep_gemm: "deep_gemm", Package.vllm_cutlass: "vllm", Package.marlin: "vllm",
+    Package.triton_kernels: "triton_kernels", Package.deep_ep: "deep_ep", Package.mori: "mori",
+    Package.nixl_ep: "nixl_ep", Package.xpu_kernels: "vllm_xpu_kernels",
+}
+
+
+def _present(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect() -> Platform:
+    packages = frozenset(p for p, module in _PROBES.items() if _present(module))
+    try:
+        import torch
+    except ImportError:
+        return Platform(vendor=Vendor.cpu, arch=_host.machine().lower() or "cpu", packages=packages,
+                        torch_grouped_mm=False)
+    grouped = hasattr(torch, "_grouped_mm")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        if getattr(torch.version, "hip", None):
+            arch = props.gcnArchName.split(":")[0]
+            return Platform(vendor=Vendor.rocm, arch=arch, packages=packages, torch_grouped_mm=grouped)
+        return Platform(vendor=Vendor.cuda, arch=f"sm_{props.major}{props.minor}", packages=packages,
+                        torch_grouped_mm=grouped)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return Platform(vendor=Vendor.xpu, arch="xe_hpc", packages=packages, torch_grouped_mm=False)
+    return Platform(vendor=Vendor.cpu, arch=_host.machine().lower() or "cpu", packages=packages,
+                    torch_grouped_mm=False)

@@ -1,0 +1,38 @@
+"""JSON Schema files generated from the pydantic models (never written by hand)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moerules.config import MoEConfig
+from moerules.decision import Decision
+from moerules.engine.rulefile import RuleFile
+
+SCHEMAS = {"moeconfig.schema.json": MoEConfig, "decision.schema.json": Decision,
+           "rulefile.schema.json": RuleFile}
+
+
+def render() -> dict[str, str]:
+    """File name -> JSON text of each schema."""
+    texts = {}
+    for name, model in SCHEMAS.items():
+        schema = model.model_json_schema(mode="validation" if model is not Decision else "serialization")
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        texts[name] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return texts
+
+
+def write(out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render().items():
+        (out / name).write_text(text, encoding="utf-8")
+        written.append(out / name)
+    return written
+
+
+def stale(out: Path) -> list[str]:
+    """Names of schema files in `out` that differ from what the models generate now."""
+    return [name for name, text in render().items()
+            if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text]

@@ -1,0 +1,82 @@
+"""`build_layer`: the one entry point from a decision to a runnable MoE layer."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from moerules.activation import Activation, Dtype
+from moerules.quant import QuantConfig
+
+from .activations import is_interleaved
+from .errors import KernelBuildError
+from .layer import MoELayer, RoutingConfig
+from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
+from .scheme import Scheme, UnsupportedScheme
+from .weights import MoEWeights, pad_weights
+
+
+def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig, activation: Activation,
+                in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
+                weights: MoEWeights, device: Union[str, torch.device], routing: Optional[RoutingConfig] = None,
+                defer_input_quant: bool = False) -> MoELayer:
+    """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
+
+    kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference").
+    prepare_finalize_id: "local".
+    quant / activation / in_dtype: the scheme, activation and compute dtype; `weights` must already
+        be in that scheme (see `make_random_weights` / `quantize_weights`).
+    activation_format: "standard" (or "batched", which no registered kernel implements yet).
+    hidden_pad / intermediate_pad: zero columns added to H / I (weights are padded in place, once;
+        inputs are padded and outputs cut back to the logical hidden size).
+    routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
+    defer_input_quant: the dispatcher ships unquantised activations and the experts quantise them.
+    """
+    spec = EXPERTS.get(kernel_id)
+    if spec is None:
+        raise KernelBuildError(kernel_id, f"unknown kernel id; registered: {', '.join(sorted(EXPERTS))}")
+    pf_spec = PREPARE_FINALIZE.get(prepare_finalize_id)
+    if pf_spec is None:
+        raise KernelBuildError(kernel_id, f"unknown prepare/finalize id {prepare_finalize_id!r}; registered: "
+                                          f"{', '.join(sorted(PREPARE_FINALIZE))}")
+    if activation_format != spec.activation_format:
+        raise KernelBuildError(kernel_id, f"activation format {activation_format!r} requested, but these experts "
+                                          f"take {spec.activation_format!r}")
+    if pf_spec.activation_format != spec.activation_format:
+        raise KernelBuildError(kernel_id, f"prepare/finalize {prepare_finalize_id!r} produces "
+                                          f"{pf_spec.activation_format!r} activations, the experts take "
+                                          f"{spec.activation_format!r}")
+    try:
+        scheme = Scheme.from_quant(quant)
+    except UnsupportedScheme as exc:
+        raise KernelBuildError(kernel_id, str(exc)) from None
+    for what, value, allowed in (("scheme", scheme.cell, spec.cells),
+                                 ("activation", activation.value, {a.value for a in spec.activations}),
+                                 ("in_dtype", in_dtype.value, {d.value for d in spec.in_dtypes})):
+        if value not in allowed:
+            raise KernelBuildError(kernel_id, f"{what} {value!r} is not supported; supported: "
+                                              f"{', '.join(sorted(allowed))}")
+    if weights.has_bias and not spec.supports_bias:
+        raise KernelBuildError(kernel_id, "the weights carry expert biases, which these experts do not support")
+    if weights.scheme != scheme or weights.in_dtype != in_dtype:
+        raise KernelBuildError(kernel_id, f"weights are {weights.scheme.cell}/{weights.in_dtype.value} but the layer "
+                                          f"asks for {scheme.cell}/{in_dtype.value}; quantise them with "
+                                          "quantize_weights first")
+    device = torch.device(device)
+    if weights.device.type != device.type:
+        raise KernelBuildError(kernel_id, f"weights are on {weights.device}, the layer is for {device}")
+    reason = spec.probe(scheme, in_dtype, device, weights)
+    if reason:
+        raise KernelBuildError(kernel_id, reason)
+    logical_hidden = weights.hidden - (weights.padding[0] if weights.padding else 0)
+    try:
+        pad_weights(weights, hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
+                    interleaved=is_interleaved(activation))
+    except ValueError as exc:
+        raise KernelBuildError(kernel_id, str(exc)) from None
+    pf = prepare_finalize_class(prepare_finalize_id)(scheme=scheme, hidden_pad=hidden_pad,
+                                                     quantizes_inputs=not defer_input_quant)
+    experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
+    return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
+                    routing=routing)

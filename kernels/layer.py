@@ -1,0 +1,79 @@
+"""`MoELayer`: prepare -> experts -> finalize, with routing in front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .interfaces import Experts, PrepareFinalize
+from .scheme import TORCH_DTYPE
+from .routing import fused_topk, grouped_topk, validate_topk
+from .weights import MoEWeights
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How router logits become top-k. `num_expert_group` set -> DeepSeek-V3 grouped sigmoid routing."""
+
+    top_k: int
+    renormalize: bool = True
+    num_expert_group: Optional[int] = None
+    topk_group: Optional[int] = None
+    routed_scaling_factor: float = 1.0
+    e_score_correction_bias: Optional[torch.Tensor] = None
+
+
+class MoELayer:
+    def __init__(self, *, prepare_finalize: PrepareFinalize, experts: Experts, weights: MoEWeights,
+                 hidden_size: int, routing: Optional[RoutingConfig] = None):
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.weights = weights
+        self.hidden_size = hidden_size      # logical (unpadded) hidden size of inputs and outputs
+        self.routing = routing
+        experts.bind(prepare_finalize)
+
+    @property
+    def kernel_id(self) -> str:
+        return self.experts.kernel_id
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.routing
+        if r is None:
+            raise ValueError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
+        if r.num_expert_group is not None:
+            return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group,
+                                topk_group=r.topk_group, e_score_correction_bias=r.e_score_correction_bias,
+                                renormalize=r.renormalize, routed_scaling_factor=r.routed_scaling_factor)
+        return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
+
+    def forward(self, x: torch.Tensor, *, router_logits: Optional[torch.Tensor] = None,
+                topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [M, hidden] -> [M, hidden]. Give either router_logits or both topk_ids and topk_weights."""
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [tokens, {self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != TORCH_DTYPE[self.weights.in_dtype]:
+            raise ValueError(f"x is {x.dtype}, this layer computes in {self.weights.in_dtype.value}")
+        if router_logits is not None:
+            if topk_ids is not None or topk_weights is not None:
+                raise ValueError("give router_logits or topk_ids/topk_weights, not both")
+            if router_logits.shape != (x.shape[0], self.weights.num_experts):
+                raise ValueError(f"router_logits must be [{x.shape[0]}, {self.weights.num_experts}], "
+                                 f"got {tuple(router_logits.shape)}")
+            topk_ids, topk_weights = self.route(router_logits)
+        elif topk_ids is None or topk_weights is None:
+            raise ValueError("forward needs router_logits, or both topk_ids and topk_weights")
+        else:
+            topk_ids, topk_weights = validate_topk(topk_ids=topk_ids, topk_weights=topk_weights,
+                                                   num_tokens=x.shape[0], num_experts=self.weights.num_experts)
+        prepared = self.prepare_finalize.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights,
+                                                 defer_input_quant=self.experts.expects_unquantized_inputs,
+                                                 a13_scale=self.weights.a13_scale)
+        out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
+                                 topk_weights=prepared.topk_weights, a_scale=prepared.a_scale)
+        return self.prepare_finalize.finalize(out, topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights,
+                                              hidden_size=self.hidden_size)
+
+    __call__ = forward

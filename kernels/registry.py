@@ -1,0 +1,132 @@
+"""Kernels by string id, with the cells each one supports.
+
+Ids, never import paths, name kernels everywhere (rules, decisions, CLI). An entry says
+which scheme cells (`Scheme.cell`), activations and in_dtypes it implements, whether it
+takes biases, its activation format, and how to probe the platform for its packages; so
+a mismatched request fails with a message instead of running something else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from moerules.activation import Activation, Dtype
+
+from .activations import GATED_ACTIVATIONS
+from .interfaces import STANDARD, Experts, PrepareFinalize
+from .scheme import Scheme, scheme_cells
+from .weights import MoEWeights
+
+ALL_CELLS = frozenset(scheme_cells())
+ROWWISE_FP8 = "fp8_w8a8/channel/token"
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    kernel_id: str
+    factory: str                      # "module:Class", imported only when built (keeps triton optional)
+    activation_format: str
+    cells: frozenset[str]
+    activations: frozenset[Activation]
+    in_dtypes: frozenset[Dtype]
+    supports_bias: bool
+    # None if runnable here, else the reason and the fix. Called with (scheme, in_dtype, device, weights).
+    probe: Callable[[Scheme, Dtype, torch.device, MoEWeights], Optional[str]]
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class PrepareFinalizeSpec:
+    pf_id: str
+    factory: str
+    activation_format: str
+    notes: str = ""
+
+
+def load_factory(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module, __package__), name)
+
+
+def _probe_reference(scheme, in_dtype, device, weights) -> Optional[str]:
+    return None
+
+
+def _probe_triton(scheme, in_dtype, device, weights) -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"package 'triton' is not importable ({exc}); pip install 'triton>=3.2' (Linux)"
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return ("Triton kernels need a GPU; on CPU they run only under the interpreter: set TRITON_INTERPRET=1 "
+                    "before importing triton (slow; meant for tests), or use torch.reference")
+        if in_dtype == Dtype.bf16:
+            return ("the Triton interpreter computes tl.dot wrongly for bf16 operands; use fp16 on CPU, "
+                    "or a GPU for bf16")
+        return None
+    if device.type != "cuda":
+        return f"no Triton backend for device type {device.type!r} here"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if scheme.weight_dtype is not None and scheme.weight_dtype.value == "fp8_e4m3" and (major, minor) < (8, 9):
+        return f"FP8 needs compute capability >= 8.9, this GPU is sm{major}{minor}"
+    return None
+
+
+def _probe_grouped_mm(scheme, in_dtype, device, weights) -> Optional[str]:
+    from .grouped_mm import probe
+    from .scheme import TORCH_DTYPE
+    scaled = scheme.weight_dtype is not None
+    if scaled:
+        if in_dtype != Dtype.bf16:
+            return f"torch._scaled_grouped_mm writes bf16 only; in_dtype {in_dtype.value} is not supported"
+        if weights.hidden % 16 or weights.intermediate % 16:
+            return (f"torch._scaled_grouped_mm needs hidden ({weights.hidden}) and intermediate "
+                    f"({weights.intermediate}) to be multiples of 16 (pad them)")
+    return probe(device.type, TORCH_DTYPE[in_dtype], scaled)
+
+
+_GATED = frozenset(GATED_ACTIVATIONS)
+EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
+    ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, _GATED,
+                frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
+                "CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16"),
+    ExpertsSpec("torch.grouped_mm", ".grouped_mm:GroupedMMExperts", STANDARD,
+                frozenset({"unquantized", ROWWISE_FP8}), _GATED, frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}),
+                True, _probe_grouped_mm,
+                "unquantized via torch._grouped_mm (CUDA: bf16 only, sm90/sm100 fast path; CPU where torch has the "
+                "fallback); fp8_w8a8/channel/token via torch._scaled_grouped_mm (CUDA sm90+, bf16 output, "
+                "hidden and intermediate multiples of 16)"),
+    ExpertsSpec("torch.reference", ".reference:TorchReferenceExperts", STANDARD, ALL_CELLS, _GATED,
+                frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}), True, _probe_reference,
+                "any device; fp32 dequantise-then-matmul, one expert at a time"),
+]}
+
+PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
+    PrepareFinalizeSpec("local", ".prepare_finalize:LocalPrepareFinalize", STANDARD,
+                        "single rank, no communication"),
+]}
+
+
+def supported_cells() -> dict[str, dict]:
+    """A plain-data summary of every experts entry (for rules authors and `moerules` docs)."""
+    return {s.kernel_id: {"activation_format": s.activation_format, "cells": sorted(s.cells),
+                          "activations": sorted(a.value for a in s.activations),
+                          "in_dtypes": sorted(d.value for d in s.in_dtypes), "supports_bias": s.supports_bias,
+                          "platform": s.notes}
+            for s in EXPERTS.values()}
+
+
+def experts_class(kernel_id: str) -> type[Experts]:
+    return load_factory(EXPERTS[kernel_id].factory)
+
+
+def prepare_finalize_class(pf_id: str) -> type[PrepareFinalize]:
+    return load_factory(PREPARE_FINALIZE[pf_id].factory)

@@ -166,7 +166,8 @@ class _Assembler:
         return QuantPlacement(
             quantized_by=QuantizedBy(values["quantized_by"]), expects_unquantized_inputs=expects,
             defer_input_quant=expects, dispatch_dtype=dtype, scale_dim=scale_dim,
-            scale_type_size=values["scale_type_size"], rules=placement_rules + (rule.id,))
+            scale_type_size=values["scale_type_size"], weight_block=placement.get("weight_block", (0, None))[0],
+            rules=placement_rules + (rule.id,))
 
     def _padding(self, placement: dict) -> Padding:
         hidden = self.config.model.hidden_size

@@ -9,41 +9,40 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from moerules.engine.compiler import CompiledRule, CompiledRules
 
 _sids = itertools.count(1)
 _COMPARE = {"$neq": lambda a, b: a != b, "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b,
             "$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b}
-_MISSING = object()
 
 
-def matches(condition: dict, fact: dict) -> bool:
-    """Evaluate one durable JSON condition; a missing field matches nothing, as in durable."""
+def compile_condition(condition: dict) -> Callable[[dict], bool]:
+    """A durable JSON condition as a Python predicate; a missing field matches nothing, as in durable."""
+    tests = []
     for key, value in condition.items():
-        if key == "$and":
-            ok = all(matches(item, fact) for item in value)
-        elif key == "$or":
-            ok = any(matches(item, fact) for item in value)
+        if key in ("$and", "$or"):
+            parts = [compile_condition(item) for item in value]
+            tests.append((lambda f, ps=parts: all(p(f) for p in ps)) if key == "$and"
+                         else (lambda f, ps=parts: any(p(f) for p in ps)))
         elif key in _COMPARE:
             (path, expected), = value.items()
-            actual = _lookup(fact, path)
-            ok = actual is not _MISSING and _COMPARE[key](actual, expected)
+            tests.append(_comparison(path.split("."), _COMPARE[key], expected))
         else:
-            ok = _lookup(fact, key) == value
-        if not ok:
-            return False
-    return True
+            tests.append(_comparison(key.split("."), lambda a, b: a == b, value))
+    return tests[0] if len(tests) == 1 else (lambda f: all(t(f) for t in tests))
 
 
-def _lookup(fact: dict, path: str):
-    value = fact
-    for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return _MISSING
-        value = value[part]
-    return value
+def _comparison(path: list[str], compare, expected) -> Callable[[dict], bool]:
+    def test(fact: dict) -> bool:
+        value = fact
+        for part in path:
+            if not isinstance(value, dict) or part not in value:
+                return False
+            value = value[part]
+        return compare(value, expected)
+    return test
 
 
 class ReferenceRunner:
@@ -51,43 +50,62 @@ class ReferenceRunner:
 
     def __init__(self, compiled: CompiledRules):
         self.compiled = compiled
+        self.predicates = {(rule.name, at): compile_condition(pattern.condition)
+                           for rule in compiled.rules.values() for at, pattern in enumerate(rule.patterns)}
+        # Rules by the type tag of each positive pattern: a new fact can only complete
+        # activations of rules that have a positive pattern for its type.
+        self.by_tag: dict[str, list[tuple[CompiledRule, int]]] = {}
+        for rule in compiled.rules.values():
+            for position, pattern in enumerate(rule.patterns):
+                if not pattern.negated:
+                    self.by_tag.setdefault(_tag(pattern.condition), []).append((rule, position))
 
     @contextmanager
     def session(self) -> Iterator["_ReferenceSession"]:
-        yield _ReferenceSession(self.compiled, str(next(_sids)))
+        yield _ReferenceSession(self, str(next(_sids)))
+
+
+def _tag(condition: dict) -> str:
+    """The `t` a compiled pattern requires (the compiler puts it first in every pattern)."""
+    return condition["t"] if "t" in condition else condition["$and"][0]["t"]
 
 
 class _ReferenceSession:
-    def __init__(self, compiled: CompiledRules, sid: str):
-        self.compiled, self.sid = compiled, sid
+    def __init__(self, runner: ReferenceRunner, sid: str):
+        self.runner, self.sid = runner, sid
         self.facts: list[dict] = []
+        self.by_tag: dict[str, list[int]] = {}
         self.done: set[tuple] = set()  # (rule, matched fact indices): each activation fires once
 
     def run(self, facts: list[dict]) -> list[str]:
+        """Assert facts in order; chain every activation they (and their effects) complete."""
         fired: list[str] = []
-        for fact in facts:
-            self.facts.append({"sid": self.sid, **fact})
-            self._settle(fired)
+        queue = [{"sid": self.sid, **fact} for fact in facts]
+        while queue:
+            index = len(self.facts)
+            fact = queue.pop(0)
+            self.facts.append(fact)
+            self.by_tag.setdefault(fact["t"], []).append(index)
+            for rule, position in self.runner.by_tag.get(fact["t"], ()):
+                for activation in self._activations(rule, position, index):
+                    if activation not in self.done:
+                        self.done.add(activation)
+                        fired.append(rule.name)
+                        queue.extend(rule.effects(self.sid))
         return fired
 
-    def _settle(self, fired: list[str]) -> None:
-        """Fire activations until none is left (forward chaining to a fixpoint)."""
-        progress = True
-        while progress:
-            progress = False
-            for rule in self.compiled.rules.values():
-                for activation in self._activations(rule):
-                    if activation in self.done:
-                        continue
-                    self.done.add(activation)
-                    fired.append(rule.name)
-                    self.facts.extend(rule.effects(self.sid))
-                    progress = True
-
-    def _activations(self, rule: CompiledRule) -> list[tuple]:
+    def _activations(self, rule: CompiledRule, position: int, index: int) -> list[tuple]:
+        """Activations of `rule` in which the new fact `index` fills pattern `position`."""
+        predicates = self.runner.predicates
+        if not predicates[rule.name, position](self.facts[index]):
+            return []
         choices = []
-        for pattern in rule.patterns:
-            hits = [i for i, fact in enumerate(self.facts) if matches(pattern.condition, fact)]
+        for at, pattern in enumerate(rule.patterns):
+            if at == position:
+                choices.append([index])
+                continue
+            test = predicates[rule.name, at]
+            hits = [i for i in self.by_tag.get(_tag(pattern.condition), ()) if test(self.facts[i])]
             if pattern.negated:
                 if hits:
                     return []

@@ -132,6 +132,7 @@ class PlanSet(BaseModel):
     expects_unquantized_inputs: Optional[bool] = None
     round_up_hidden: Optional[int] = Field(None, ge=1)
     round_up_intermediate: Optional[int] = Field(None, ge=1)
+    weight_block: Optional[int] = Field(None, ge=1, description="Scale block along K that weight conversion must use.")
     quantized_by: Optional[QuantizedBy] = None
     dispatch_dtype: Optional[str] = Field(
         None, description="'input' for the layer's in_dtype, or a config field such as quant.activation.dtype.")

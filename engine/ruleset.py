@@ -58,10 +58,11 @@ class RuleSet:
         return self.constraints + self.priorities + self.dispatch + self.plan
 
     def rule(self, rule_id: str) -> Rule:
-        for rule in self.rules():
-            if rule.id == rule_id:
-                return rule
-        raise KeyError(rule_id)
+        return self._by_id[rule_id]
+
+    @cached_property
+    def _by_id(self) -> dict[str, Rule]:
+        return {rule.id: rule for rule in self.rules()}
 
     def component(self, name: str) -> Declared:
         return self.backends.get(name) or self.dispatchers[name]

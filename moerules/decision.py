@@ -98,6 +98,7 @@ class QuantPlacement(BaseModel):
     dispatch_dtype: str
     scale_dim: int = Field(ge=0)
     scale_type_size: int = Field(ge=0)
+    weight_block: int = Field(0, ge=0, description="Weight scale block along K (0: no block); set before conversion.")
     rules: tuple[str, ...] = ()
 
 

@@ -43,6 +43,9 @@ class YamlDocument:
         self.data: Any = {} if node is None else self._convert(node, ())
 
     def _convert(self, node: yaml.Node, loc: Loc) -> Any:
+        if node.tag.startswith("tag:yaml.org,2002:python") or not node.tag.startswith("tag:yaml.org,2002:"):
+            raise RuleFileError(f"YAML tag {node.tag!r} is not allowed: rule files are plain data",
+                                file=self.display, line=node.start_mark.line + 1, col=node.start_mark.column + 1)
         self.positions[loc] = Position(node.start_mark.line + 1, node.start_mark.column + 1,
                                        isinstance(node, yaml.ScalarNode) and node.style in ("'", '"'))
         if isinstance(node, yaml.MappingNode):

@@ -204,8 +204,8 @@ def _source(doc: YamlDocument, loc) -> SourceRef:
 def _structure_error(doc: YamlDocument, detail: dict) -> RuleFileError:
     loc = tuple(part for part in detail["loc"] if not (isinstance(part, str) and part.startswith("function-")))
     rule = _rule_id_at(doc.data, loc)
-    hint = None
-    if detail["type"] == "extra_forbidden":
+    hint, at_key = None, detail["type"] == "extra_forbidden"
+    if at_key:
         model = _model_at(loc[:-1])
         close = suggest(str(loc[-1]), model.model_fields) if model else None
         message = f"unknown field {loc[-1]!r}"
@@ -217,7 +217,7 @@ def _structure_error(doc: YamlDocument, detail: dict) -> RuleFileError:
         expected = re.findall(r"'([^']+)'", str(detail.get("ctx", {}).get("expected", "")))
         close = suggest(str(detail.get("input")), expected) if expected else None
         hint = f"did you mean {close!r}?" if close else None
-    return doc.error(message, loc, rule=rule, hint=hint)
+    return doc.error(message, loc, rule=rule, hint=hint, at_key=at_key)
 
 
 def _rule_id_at(data, loc) -> Optional[str]:

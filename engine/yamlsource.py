@@ -31,6 +31,7 @@ class YamlDocument:
     def __init__(self, path: Path, display: str):
         self.path, self.display = path, display
         self.positions: dict[Loc, Position] = {}
+        self.key_positions: dict[Loc, Position] = {}
         self._constructor = SafeConstructor()
         try:
             node = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
@@ -57,6 +58,8 @@ class YamlDocument:
                 if key in result:
                     raise RuleFileError(f"duplicate key {key!r}", file=self.display,
                                         line=key_node.start_mark.line + 1, col=key_node.start_mark.column + 1)
+                self.key_positions[loc + (key,)] = Position(key_node.start_mark.line + 1,
+                                                            key_node.start_mark.column + 1, False)
                 result[key] = self._convert(value_node, loc + (key,))
             return result
         if isinstance(node, yaml.SequenceNode):
@@ -70,7 +73,8 @@ class YamlDocument:
             loc = loc[:-1]
         return self.positions.get(loc, Position(1, 1, False))
 
-    def error(self, message: str, loc: Loc, *, offset: int = 0, rule=None, hint=None) -> RuleFileError:
-        pos = self.position(loc)
+    def error(self, message: str, loc: Loc, *, offset: int = 0, rule=None, hint=None,
+              at_key: bool = False) -> RuleFileError:
+        pos = self.key_positions[tuple(loc)] if at_key and tuple(loc) in self.key_positions else self.position(loc)
         col = pos.col + int(pos.quoted) + offset
         return RuleFileError(message, file=self.display, line=pos.line, col=col, rule=rule, hint=hint)

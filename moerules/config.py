@@ -16,6 +16,22 @@ from moerules.quant import QuantConfig
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
+class _Record(BaseModel):
+    """A frozen config section whose computed fields may appear in input (e.g. a Decision's JSON).
+
+    They are derived, so they are dropped on input and recomputed, never trusted.
+    """
+
+    model_config = _FROZEN
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_derived(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in cls.model_computed_fields}
+        return data
+
+
 def pow2_alignment(value: int) -> int:
     """Largest power of two dividing `value` (capped at 4096, which every rule treats as 'aligned')."""
     return min(value & -value, 4096) if value > 0 else 0
@@ -31,8 +47,7 @@ class Routing(str, Enum):
     llama4 = "llama4"
 
 
-class ModelShape(BaseModel):
-    model_config = _FROZEN
+class ModelShape(_Record):
 
     num_experts: int = Field(ge=1, le=4096, description="Global number of routed experts.")
     top_k: int = Field(ge=1, description="Experts per token.")
@@ -95,8 +110,7 @@ class All2AllBackend(str, Enum):
 BATCHED_ALL2ALL = frozenset({All2AllBackend.deepep_low_latency, All2AllBackend.nixl_ep})
 
 
-class Parallel(BaseModel):
-    model_config = _FROZEN
+class Parallel(_Record):
 
     tp: int = Field(1, ge=1, description="Tensor-parallel size.")
     dp: int = Field(1, ge=1, description="Data-parallel size.")
@@ -158,8 +172,7 @@ class Package(str, Enum):
 _ARCH_PREFIX = {Vendor.cuda: "sm_", Vendor.rocm: "gfx", Vendor.xpu: "xe", Vendor.cpu: ""}
 
 
-class Platform(BaseModel):
-    model_config = _FROZEN
+class Platform(_Record):
 
     vendor: Vendor = Vendor.cuda
     arch: str = Field("sm_90", description="sm_90, sm_100, gfx942, gfx950, gfx1200, xe_hpc, x86_64, aarch64 ...")
@@ -223,10 +236,8 @@ class Features(BaseModel):
         return name.strip().lower().replace("-", "_")
 
 
-class MoEConfig(BaseModel):
+class MoEConfig(_Record):
     """One MoE layer in one deployment."""
-
-    model_config = _FROZEN
 
     model: ModelShape
     quant: QuantConfig = QuantConfig()

@@ -52,6 +52,8 @@ class Engine:
                 self._cache.move_to_end(config)
         if cached is None:
             cached = self._evaluate(config)
+            if cached.fallback_rule:  # logged once per (rules, config): later hits come from the cache
+                log.warning("moerules: auto mode fell back to %s by rule %s", cached.backend, cached.fallback_rule)
             with self._lock:
                 self._cache[config] = cached
                 if len(self._cache) > _CACHE_SIZE:
@@ -69,10 +71,10 @@ class Engine:
     def _evaluate(self, config: MoEConfig) -> Decision:
         with self.runner.session() as session:
             phases = PhaseRunner(self.compiled, session, config)
-            return _Assembler(self, config, phases).run()
+            return Assembler(self, config, phases).run()
 
 
-class _Assembler:
+class Assembler:
     """Turns what fired into a Decision: ranking, selection, dispatch plan, padding."""
 
     def __init__(self, engine: Engine, config: MoEConfig, phases: PhaseRunner):
@@ -81,7 +83,7 @@ class _Assembler:
         self.requested = config.features.backend
 
     def run(self) -> Decision:
-        evaluation = self.phases.screen()
+        self.evaluation = evaluation = self.phases.screen()
         dispatch_rule = single(evaluation.dispatch_rules, "the prepare/finalize")
         if dispatch_rule is None:
             return self._unsupported(evaluation, "no prepare/finalize rule matches this parallel configuration "
@@ -145,8 +147,6 @@ class _Assembler:
         if quant_rule is None:
             raise EngineError(f"no plan rule decides how activations reach {winner} behind {dispatcher}; "
                               "every (backend, dispatcher) pair needs a quantization rule")
-        if fallback:
-            log.warning("moerules: auto mode fell back to %s by rule %s", winner, fallback)
         return Decision(
             outcome=Outcome.selected, backend=winner, kernel=backend.kernel,
             external_package=backend.external.value if backend.external else None,

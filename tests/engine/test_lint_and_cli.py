@@ -1,0 +1,93 @@
+"""`moerules lint`, `schema` and the CLI as a user meets them (exit codes 0/1/2)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from moerules.config import All2AllBackend
+from moerules.engine.cli import main
+from moerules.engine.lint import lint
+from moerules.engine import schema_export
+from moerules.resources import schema_dir
+
+from decision_helpers import config, cuda, rocm
+
+SMALL_GRID = [config(platform=cuda("sm_90", "deep_ep", "nixl_ep", "flashinfer"),
+                     parallel={"dp": 2, "expert_parallel": True, "all2all_backend": b})
+              for b in All2AllBackend if b != All2AllBackend.mori] + [
+    config(platform=rocm("gfx942", "aiter", "mori"), parallel={"dp": 2, "expert_parallel": True,
+                                                                "all2all_backend": "mori"}),
+    config(platform=cuda("sm_90")), config(platform=cuda("sm_90"), parallel={"dp": 2})]
+
+
+def test_lint_of_the_default_rules_finds_no_error():
+    report = lint(configs=SMALL_GRID)
+    assert report.errors == [] and report.configs_checked == len(SMALL_GRID)
+
+
+def test_lint_reports_a_dispatch_gap(rules_without):
+    report = lint(rules_without("dispatch.a2a.nixl_ep"), configs=SMALL_GRID)
+    [error] = report.errors
+    assert error.code == "coverage" and "no prepare/finalize rule matches" in error.message
+    assert "all2all_backend=nixl_ep" in error.message
+
+
+def test_lint_reports_unreachable_components(rules_without):
+    report = lint(rules_without("dispatch.a2a.nixl_ep"), configs=SMALL_GRID)
+    assert any(f.code == "unreachable" and f.message.startswith("nixl_ep ") for f in report.findings)
+
+
+def test_lint_reports_load_errors_with_location(tmp_path):
+    (tmp_path / "bad.yaml").write_text("version: 1\ndispatch:\n  - id: d\n    when: parallel.dpp > 1\n    use: local\n")
+    findings = {f.where: f for f in lint(tmp_path).findings}
+    assert findings[f"{tmp_path}/bad.yaml:5:10"].message == "unknown dispatcher 'local' (declared: )"
+    finding = findings[f"{tmp_path}/bad.yaml:4:11"]
+    assert finding.code == "load" and finding.message == "unknown field 'parallel.dpp' (did you mean 'parallel.dp'?)"
+
+
+def test_committed_schema_files_are_fresh():
+    assert schema_export.stale(schema_dir()) == [], "run `moerules schema` and commit schema/"
+
+
+def test_cli_exit_codes(capsys):
+    assert main(["decide", "--model", "mixtral-8x7b", "--platform", "cuda:sm_90"]) == 0
+    assert capsys.readouterr().out.startswith("moerules: triton experts (auto) behind local")
+    assert main(["decide", "--model", "mixtral-8x7b", "--quant", "w4a8", "--platform", "rocm:gfx942"]) == 1
+    assert main(["decide", "--model", "mixtral-8x7b", "--backend", "aiter", "--platform", "cuda:sm_90"]) == 1
+    assert main(["decide", "--model", "mixtral-8x7b", "--backend", "trtion"]) == 2
+    assert "Did you mean 'triton'?" in capsys.readouterr().err
+    assert main(["decide", "--model", "mixtral-8x7b", "--tp", "3"]) == 2
+    assert "not divisible by the MoE tensor-parallel size 3" in capsys.readouterr().err
+    assert main(["decide", "--model", "mixtrall"]) == 2
+    assert "unknown model preset 'mixtrall'" in capsys.readouterr().err
+
+
+def test_cli_reads_config_files_and_reports_bad_ones(tmp_path, capsys):
+    good = tmp_path / "layer.yaml"
+    good.write_text("model: gpt-oss-120b\nplatform: {vendor: rocm, arch: gfx950, packages: [triton, aiter]}\n")
+    assert main(["explain", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "selected by fallback via ck_mxfp4.dim_alignment_256" in out
+    assert re.search(r"aiter +shape_unaligned +ck_mxfp4.dim_alignment_256 +rules/40-capabilities.yaml:\d+", out)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {num_experts: 8, top_k: 2, hidden_size: 64, intermediate_size: 64, activation: sillu}\n")
+    assert main(["decide", str(bad)]) == 2
+    assert "model.activation: Input should be" in capsys.readouterr().err
+    assert main(["decide", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_cli_json_is_the_stable_record(capsys):
+    assert main(["explain", "--model", "deepseek-v3", "--platform", "cuda:sm_90", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["format_version"] == 1 and record["backend"] == "triton"
+    assert record["quant"]["scale_dim"] == 56 and record["quant"]["weight_block"] == 128
+
+
+@pytest.mark.parametrize("command", ["decide", "explain", "lint", "schema", "run"])
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main([command, "--help"])
+    assert raised.value.code == 0 and "usage: moerules" in capsys.readouterr().out

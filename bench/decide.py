@@ -1,0 +1,78 @@
+"""Decision speed: cold decide (new config), cached decide, and rules load+compile,
+for durable-rules and the reference evaluator on the same configs.
+
+    python bench/decide.py [--configs 400] [--rounds 5]
+
+Goals on a 2-core CPU: cached <= 5 us, cold <= 300 us with durable-rules, load+compile <= 1 s.
+Medians over interleaved rounds, so both engines see the same machine noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from moerules.config import MoEConfig
+from moerules.engine.compiler import compile_rules
+from moerules.engine.decide import Engine
+from moerules.engine.loader import load_rules
+
+PLATFORMS = [{"vendor": "cuda", "arch": "sm_90", "packages": ["triton", "flashinfer", "marlin"]},
+             {"vendor": "cuda", "arch": "sm_100", "packages": ["triton", "flashinfer", "deep_gemm"]},
+             {"vendor": "rocm", "arch": "gfx950", "packages": ["triton", "aiter"]},
+             {"vendor": "cpu", "arch": "x86_64", "packages": []}]
+QUANTS = [{"family": "unquantized"}, {"family": "fp8_w8a8", "weight_granularity": "block128"},
+          {"family": "mxfp4_w4a16"}, {"family": "int8_w8a8"}]
+
+
+def configs(n: int, offset: int) -> list[MoEConfig]:
+    """Distinct configs (the intermediate size varies), so none is served from a cache."""
+    return [MoEConfig(model=dict(num_experts=64, top_k=4, hidden_size=4096, intermediate_size=256 * (i + offset + 1),
+                                 activation="swigluoai" if i % 3 == 0 else "silu"),
+                      quant=QUANTS[i % len(QUANTS)], platform=PLATFORMS[(i // 4) % len(PLATFORMS)],
+                      features={"lora": i % 5 == 0})
+            for i in range(n)]
+
+
+def per_call_us(func, items) -> float:
+    start = time.perf_counter()
+    for item in items:
+        func(item)
+    return (time.perf_counter() - start) / len(items) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    results: dict[str, dict[str, list[float]]] = {e: {"cold": [], "cached": [], "load": []}
+                                                  for e in ("durable", "reference")}
+    for round_ in range(args.rounds):
+        for name in results:
+            start = time.perf_counter()
+            ruleset = load_rules()
+            engine = Engine(ruleset, name)  # compiles, and registers with durable
+            results[name]["load"].append((time.perf_counter() - start) * 1e6)
+            batch = configs(args.configs, offset=round_ * args.configs)
+            results[name]["cold"].append(per_call_us(engine.decide, batch))
+            results[name]["cached"].append(per_call_us(engine.decide, batch))
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    compile_us = statistics.median(per_call_us(lambda r: compile_rules(r), [load_rules()] * 20) for _ in range(3))
+    print(f"{'metric':<28}{'durable':>14}{'reference':>14}   goal")
+    goals = {"cold": "<= 300 us (durable)", "cached": "<= 5 us", "load": "<= 1 s"}
+    for metric, label in (("cold", "cold decide (us)"), ("cached", "cached decide (us)"),
+                          ("load", "load+compile (us)")):
+        row = [statistics.median(results[e][metric]) for e in ("durable", "reference")]
+        print(f"{label:<28}{row[0]:>14.1f}{row[1]:>14.1f}   {goals[metric]}")
+    print(f"{'compile alone (us)':<28}{compile_us:>14.1f}{'':>14}")
+    rules = load_rules()
+    print(f"rule set: {len(rules.rules())} rules, {len(compile_rules(rules).rules)} compiled, "
+          f"{len(rules.backends)} backends, hash {rules.hash[:12]}; {args.configs} configs x {args.rounds} rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

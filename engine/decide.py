@@ -150,7 +150,8 @@ class Assembler:
         return Decision(
             outcome=Outcome.selected, backend=winner, kernel=backend.kernel,
             external_package=backend.external.value if backend.external else None,
-            prepare_finalize=dispatcher, activation_format=backend.format, monolithic=backend.monolithic,
+            prepare_finalize=dispatcher, prepare_finalize_kernel=self.ruleset.dispatchers[dispatcher].item.kernel,
+            activation_format=backend.format, monolithic=backend.monolithic,
             quant=self._quant(quant_rule, expects, placement), padding=self._padding(placement),
             selected_by=selected_by, fallback_rule=fallback, alternatives=tuple(alternatives),
             **self._common(evaluation))

@@ -122,6 +122,7 @@ class Decision(BaseModel):
     kernel: Optional[str] = None
     external_package: Optional[str] = None
     prepare_finalize: Optional[str] = None
+    prepare_finalize_kernel: Optional[str] = None
     activation_format: Optional[ActivationFormat] = None
     monolithic: Optional[bool] = None
     quant: Optional[QuantPlacement] = None

@@ -1,0 +1,21 @@
+"""`moerules run`: decide, build with seeded random weights, one forward pass, checked."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from moerules.build import build, default_device
+from moerules.decision import Decision
+
+
+def run_example(decision: Decision, *, num_tokens: int = 16, seed: int = 0, device: Optional[str] = None) -> dict:
+    from moerules.kernels import make_random_weights
+    from moerules.kernels.example import run_forward
+    config = decision.config
+    device = default_device(device)
+    weights = make_random_weights(num_experts=config.model.num_experts, hidden=config.model.hidden_size,
+                                  intermediate=config.intermediate_per_partition, quant=config.quant,
+                                  in_dtype=config.model.in_dtype, has_bias=config.model.has_bias, seed=seed,
+                                  device=device)
+    layer = build(decision, weights, device=device)
+    return run_forward(layer, num_tokens=num_tokens, seed=seed, device=device, top_k=config.model.top_k)

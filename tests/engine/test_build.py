@@ -1,0 +1,65 @@
+"""`build(decision, weights)`: the decided layer runs, or fails saying which kernel and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerules import build, decide
+from moerules.errors import KernelUnavailableError
+from moerules.kernels import make_random_weights
+from moerules.kernels.example import run_forward
+from moerules.run import run_example
+
+from decision_helpers import config, cuda, rocm
+
+CPU = {"vendor": "cpu", "arch": "x86_64", "packages": []}
+SMALL = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=96, in_dtype="fp32")
+
+
+def weights_for(decision, seed=0):
+    c = decision.config
+    return make_random_weights(num_experts=c.model.num_experts, hidden=c.model.hidden_size,
+                               intermediate=c.intermediate_per_partition, quant=c.quant, in_dtype=c.model.in_dtype,
+                               has_bias=c.model.has_bias, seed=seed, device="cpu")
+
+
+@pytest.mark.parametrize("quant", [{"family": "unquantized"}, {"family": "fp8_w8a8", "weight_granularity": "channel"},
+                                   {"family": "int8_w8a8"}])
+def test_the_cpu_decision_builds_and_matches_the_reference(quant):
+    decision = decide(config(SMALL, quant=quant, platform=CPU))
+    assert (decision.backend, decision.kernel, decision.prepare_finalize_kernel) == (
+        "torch_reference", "torch.reference", "local")
+    layer = build(decision, weights_for(decision))
+    report = run_forward(layer, num_tokens=5, seed=1, device="cpu", top_k=2)
+    assert report["all_finite"] and report["rel_err_vs_reference"] < 1e-6
+
+
+def test_the_experts_agree_with_the_rules_on_expects_unquantized_inputs():
+    decision = decide(config(SMALL, quant={"family": "fp8_w8a8", "weight_granularity": "channel"}, platform=CPU))
+    layer = build(decision, weights_for(decision))
+    assert layer.experts.expects_unquantized_inputs == decision.quant.expects_unquantized_inputs
+
+
+def test_an_external_backend_is_named_and_never_replaced():
+    decision = decide(config(SMALL, platform=rocm("gfx942", "aiter")))
+    assert decision.backend == "aiter" and decision.kernel is None
+    with pytest.raises(KernelUnavailableError, match="experts backend 'aiter' is an external kernel from package "
+                                                     "'aiter'.*pin one of our backends.*triton"):
+        build(decision, weights_for(decision))
+
+
+def test_a_gpu_decision_on_a_cpu_says_how_to_run_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    decision = decide(config(dict(SMALL, in_dtype="fp16"), platform=cuda("sm_90")))
+    with pytest.raises(KernelUnavailableError, match="cannot build triton behind local: triton.fused_moe: "
+                                                     "Triton kernels need a GPU"):
+        build(decision, weights_for(decision), device="cpu")
+
+
+def test_run_example_reports_checksum_and_error():
+    report = run_example(decide(config(SMALL, platform=CPU)), num_tokens=3, seed=0, device="cpu")
+    assert report["kernel_id"] == "torch.reference" and report["num_tokens"] == 3
+    assert report["checksum"] != 0 and report["rel_err_vs_reference"] < 1e-6

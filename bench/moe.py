@@ -1,0 +1,402 @@
+"""Fused-MoE evidence on a GPU: ceilings, correctness of every scheme, config tuning, and timings.
+
+    python bench/moe.py --phase all --out DIR          # on the H100 (see bench/results/README.md)
+    TRITON_INTERPRET=1 python bench/moe.py --smoke     # tiny CPU dry run of the same code paths
+
+Boundary for every backend (reference doc section 4): x [M, H] in in_dtype plus topk_ids /
+topk_weights in, [M, H] out; routing is outside the timed region; each backend sorts, quantises
+and reduces inside it. Timing: `triton.testing.do_bench` median (it flushes L2 before every
+call), in CUDA-graph replay and eager. Floor (reference section 3.2):
+    T_floor = max(bytes / BW, flops / P), bytes = E_hit*3*H*I*b_w + M*H*4, flops = 6*M*k*H*I,
+    E_hit = E*(1 - (1 - k/E)^M), with BW and P measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moerules.activation import Activation, Dtype
+from moerules.kernels import KernelBuildError, build_layer, make_random_weights
+from moerules.kernels.example import run_forward
+from moerules.kernels.routing import fused_topk
+from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
+from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, config_file_name,
+                                           default_config, dtype_key)
+from moerules.quant import Granularity as G
+from moerules.quant import QuantConfig
+from moerules.quant import QuantFamily as F
+
+
+@dataclass(frozen=True)
+class Model:
+    E: int
+    k: int
+    H: int
+    I: int
+    activation: Activation
+    bias: bool
+
+
+MODELS = {
+    "mixtral-8x7b": Model(8, 2, 4096, 14336, Activation.silu, False),
+    "qwen3-30b-a3b": Model(128, 8, 2048, 768, Activation.silu, False),
+    "deepseek-v3": Model(256, 8, 7168, 2048, Activation.silu, False),
+    "gpt-oss-120b": Model(128, 4, 2880, 2880, Activation.swigluoai, True),
+}
+SMOKE_MODELS = {"tiny": Model(8, 2, 256, 128, Activation.silu, False),
+                "tiny-oss": Model(16, 4, 160, 96, Activation.swigluoai, True)}
+TIMED_SCHEMES = {"bf16": QuantConfig(),
+                 "fp8_rowwise": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.channel,
+                                            activation_granularity=G.token),
+                 "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128)}
+M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
+TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w8a8": 3e-2}
+
+
+def quant_of(cell: str) -> QuantConfig:
+    s = scheme_cells()[cell]
+    if s.weight_dtype is None:
+        return QuantConfig()
+    return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
+                       activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)
+
+
+def tolerance(cell: str) -> float:
+    return TOL["unquantized" if cell == "unquantized" else "w8a16" if "w8a16" in cell else "w8a8"]
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.smoke = args.smoke
+        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.in_dtype = Dtype.fp16 if self.smoke else Dtype.bf16  # interpreter: bf16 tl.dot is wrong
+        self.models = SMOKE_MODELS if self.smoke else {m: MODELS[m] for m in args.models}
+        self.ms = [1, 5, 40] if self.smoke else args.ms
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {"device": self.device_name(), "torch": torch.__version__}
+        self._weights_cache: dict = {}
+
+    def log(self, *a):
+        print(*a, flush=True)
+
+    def device_name(self) -> str:
+        return "cpu" if self.smoke else torch.cuda.get_device_name()
+
+    def sync(self):
+        if not self.smoke:
+            torch.cuda.synchronize()
+
+    def time_us(self, fn, *, graph: bool, rep: int = 100) -> float:
+        """Median µs of fn(). Graph mode captures one call and replays it."""
+        if self.smoke:
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        import triton.testing
+        fn()  # compile / autotune outside the timed region
+        torch.cuda.synchronize()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                fn()
+            try:
+                return triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median") * 1e3
+            finally:
+                del g
+        return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+    # ---- ceilings -------------------------------------------------------------------------
+    def ceilings(self):
+        if self.smoke:
+            self.results["ceilings"] = {"copy_TBps": 3.0, "bf16_TFLOPs": 798.0, "fp8_TFLOPs": 1350.0}
+            return
+        n = 1 << 30  # 2 GiB of bf16 per buffer
+        a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty_like(a)
+        t = self.time_us(lambda: b.copy_(a), graph=False) * 1e-6
+        copy = 2 * a.numel() * 2 / t / 1e12
+        del a, b
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        t = self.time_us(lambda: x @ y, graph=False) * 1e-6
+        bf16 = 2 * 8192 ** 3 / t / 1e12
+        xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        t = self.time_us(lambda: torch._scaled_mm(xf, yf, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                  use_fast_accum=True), graph=False) * 1e-6
+        fp8 = 2 * 8192 ** 3 / t / 1e12
+        del x, y, xf, yf
+        self.results["ceilings"] = {"copy_TBps": copy, "bf16_TFLOPs": bf16, "fp8_TFLOPs": fp8}
+        self.log(f"ceilings: copy {copy:.2f} TB/s, bf16 {bf16:.0f} TFLOP/s, fp8 {fp8:.0f} TFLOP/s")
+
+    # ---- layers ------------------------------------------------------------------------------
+    def weights(self, name: str, cell: str):
+        key = (name, cell)
+        if key not in self._weights_cache:
+            self._weights_cache.clear()
+            gc.collect()
+            if not self.smoke:
+                torch.cuda.empty_cache()
+            m = self.models[name]
+            self._weights_cache[key] = make_random_weights(
+                num_experts=m.E, hidden=m.H, intermediate=m.I, quant=quant_of(cell), in_dtype=self.in_dtype,
+                has_bias=m.bias, seed=0, device=self.device)
+        return self._weights_cache[key]
+
+    def layer(self, name: str, cell: str, kernel_id: str):
+        m = self.models[name]
+        from moerules.kernels.layer import RoutingConfig
+        return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell),
+                           activation=m.activation, in_dtype=self.in_dtype, activation_format="standard",
+                           weights=self.weights(name, cell), device=self.device, routing=RoutingConfig(top_k=m.k))
+
+    def inputs(self, name: str, M: int, seed: int = 1):
+        m = self.models[name]
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        x = torch.randn(M, m.H, generator=gen, device=self.device).to(TORCH_DTYPE[self.in_dtype])
+        ids, w = fused_topk(torch.randn(M, m.E, generator=gen, device=self.device), top_k=m.k, renormalize=True)
+        return x, ids, w
+
+    # ---- correctness ---------------------------------------------------------------------------
+    def correctness(self):
+        rows = []
+        cells = list(scheme_cells())
+        for name in self.models:
+            # Every cell on one real model (compiles dominate the cost); the timed schemes on all.
+            model_cells = cells if name in ("qwen3-30b-a3b", "tiny", "tiny-oss") else \
+                ["unquantized", "fp8_w8a8/channel/token", "fp8_w8a8/block128/group128"]
+            for cell in model_cells:
+                for kernel_id in ("triton.fused_moe", "torch.grouped_mm"):
+                    try:
+                        layer = self.layer(name, cell, kernel_id)
+                    except KernelBuildError as exc:
+                        if kernel_id == "triton.fused_moe":
+                            rows.append({"model": name, "cell": cell, "kernel": kernel_id, "error": str(exc)})
+                            self.log(f"BUILD FAIL {name} {cell} {exc}")
+                        continue
+                    for M in ([1, 37] if self.smoke else [1, 333]):
+                        self.poison()
+                        r = run_forward(layer, num_tokens=M, seed=M, device=self.device)
+                        ok = r["all_finite"] and r["rel_err_vs_reference"] <= tolerance(cell)
+                        rows.append({"model": name, "cell": cell, "kernel": kernel_id, "M": M,
+                                     "rel_err": r["rel_err_vs_reference"], "tol": tolerance(cell), "ok": ok})
+                        self.log(f"{'ok  ' if ok else 'FAIL'} {name:14s} {cell:30s} {kernel_id:17s} M={M:5d} "
+                                 f"rel_err={r['rel_err_vs_reference']:.2e} (tol {tolerance(cell):.0e})")
+        self.results["correctness"] = rows
+        self.save()
+
+    def poison(self):
+        """Fill the allocator's free blocks with NaN, so an unwritten output element shows up."""
+        if self.smoke:
+            return
+        free = torch.cuda.mem_get_info()[0]
+        junk = torch.empty(min(free // 4, 8 << 30) // 2, dtype=torch.bfloat16, device="cuda").fill_(float("nan"))
+        del junk
+
+    # ---- tuning --------------------------------------------------------------------------------
+    def candidates(self, M: int, model: Model, scheme: Scheme):
+        eight = scheme.weight_dtype is not None
+        block = scheme.weight_granularity == G.block128
+        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, eight_bit=eight)
+        if M * model.k * 4 <= model.E:
+            bms = [16]
+        else:
+            bms = sorted({base.BLOCK_M, min(128, base.BLOCK_M * 2)})
+        kmul = 2 if eight and not block else 1
+        wbytes, abytes = (1 if eight else 2), (1 if scheme.act_dtype is not None else 2)
+        for bm in bms:
+            # (BLOCK_N, BLOCK_K at 16-bit width); 8-bit operands double BLOCK_K (block scales cap it at 128).
+            shapes1 = [(32, 128), (64, 64), (64, 128), (128, 64)] if bm <= 32 else [(64, 64), (128, 64), (64, 128),
+                                                                                 (128, 32)]
+            shapes2 = [(32, 128), (64, 64), (64, 128), (128, 64)] if bm <= 32 else [(128, 64), (64, 64), (256, 64),
+                                                                                 (128, 32)]
+            warps, stages, group_m = (4, 4, 1) if bm <= 32 else (8, 3, 8)
+            g1s, g2s = [], []
+            for shapes, out, n_b in ((shapes1, g1s, 2), (shapes2, g2s, 1)):
+                for bn, bk in shapes:
+                    bk = min(bk * kmul, 128) if block else bk * kmul
+                    # Shared memory per stage: the A tile plus n_b weight tiles; keep under ~200 KB.
+                    if stages * (bm * bk * abytes + n_b * bk * bn * wbytes) <= 200_000:
+                        out.append(GemmConfig(bn, bk, group_m, warps if bn >= 64 else 4, stages))
+            yield bm, (g1s[:1] if self.smoke else g1s), (g2s[:1] if self.smoke else g2s)
+
+    def tune(self):
+        from moerules.kernels.triton.launch import fused_moe
+        for name, model in self.models.items():
+            for sname in self.timed_schemes(name):
+                cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
+                layer = self.layer(name, cell, "triton.fused_moe")
+                w = layer.weights
+                table = {}
+                for M in self.ms:
+                    if M > 4096 and not self.smoke:
+                        continue  # nearest-M lookup reuses the 4096 entry; saves device time
+                    x, ids, tw = self.inputs(name, M)
+                    prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
+                                                          a13_scale=w.a13_scale)
+
+                    def run(cfg):
+                        return fused_moe(prep.hidden_q, a_scale=prep.a_scale, weights=w, topk_ids=ids,
+                                         topk_weights=tw, activation=model.activation,
+                                         quantize_intermediate=lambda t: layer.experts.quantize_gemm_input(
+                                             t, static_scale=w.a2_scale),
+                                         out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
+                    best = None
+                    for bm, g1s, g2s in self.candidates(M, model, w.scheme):
+                        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k,
+                                              eight_bit=w.scheme.weight_dtype is not None)
+                        g2_fixed = base.gemm2 if base.gemm2 in g2s or not g2s else g2s[0]
+                        b1 = self.pick(run, [MoEConfig(bm, g, g2_fixed) for g in g1s])
+                        if b1 is None:
+                            continue
+                        b2 = self.pick(run, [MoEConfig(bm, b1[1].gemm1, g) for g in g2s])
+                        if b2 and (best is None or b2[0] < best[0]):
+                            best = b2
+                    if best:
+                        table[str(M)] = best[1].to_dict()
+                        self.log(f"tuned {name} {sname} M={M}: {best[0]:.1f} us {best[1]}")
+                        self.write_config(model, w.scheme, table)
+
+    def write_config(self, model: Model, scheme: Scheme, table: dict):
+        """After every M, so a run cut short keeps what it tuned; also into the package when --install-configs."""
+        key = config_file_name(num_experts=model.E, intermediate=model.I, device_name=self.device_name(),
+                               dtype=dtype_key(scheme, self.in_dtype.value))
+        self.results.setdefault("tuned_files", {})[key] = table
+        self.save()
+        if self.args.install_configs:
+            (CONFIG_DIR / key).write_text(json.dumps(table, indent=1) + "\n")
+            _load_file.cache_clear()
+
+    def pick(self, run, cfgs):
+        best = None
+        for cfg in cfgs:
+            try:
+                t = self.time_us(lambda: run(cfg), graph=True, rep=20)
+            except Exception as exc:  # out of shared memory etc.: a config the GPU cannot run
+                self.log(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        return best
+
+    def timed_schemes(self, name: str):
+        return ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else [])
+
+    # ---- timing --------------------------------------------------------------------------------
+    def floor_us(self, model: Model, M: int, sname: str) -> tuple[float, float, float]:
+        c = self.results["ceilings"]
+        b_w = 2.0 if sname == "bf16" else 1.0 + (4 / 128 ** 2 if sname == "fp8_block" else 0.0)
+        e_hit = model.E * (1 - (1 - model.k / model.E) ** M)
+        nbytes = e_hit * 3 * model.H * model.I * b_w + M * model.H * 4
+        flops = 6 * M * model.k * model.H * model.I
+        peak = c["bf16_TFLOPs"] if sname == "bf16" else c["fp8_TFLOPs"]
+        return max(nbytes / (c["copy_TBps"] * 1e12), flops / (peak * 1e12)) * 1e6, nbytes, flops
+
+    def bench(self):
+        rows = []
+        for name, model in self.models.items():
+            for sname in self.timed_schemes(name):
+                cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
+                layers = {"triton": self.layer(name, cell, "triton.fused_moe")}
+                try:
+                    layers["grouped_mm"] = self.layer(name, cell, "torch.grouped_mm")
+                except KernelBuildError as exc:
+                    self.log(f"no grouped_mm baseline for {name} {sname}: {exc.reason}")
+                for M in self.ms:
+                    x, ids, tw = self.inputs(name, M)
+                    floor, nbytes, flops = self.floor_us(model, M, sname)
+                    row = {"model": name, "scheme": sname, "M": M, "floor_us": floor}
+                    for lname, layer in layers.items():
+                        fn = lambda: layer(x, topk_ids=ids, topk_weights=tw)  # noqa: E731
+                        for mode in ("graph", "eager"):
+                            if mode == "eager" and M < 1024 and self.args.fast:
+                                continue
+                            try:
+                                t = self.time_us(fn, graph=mode == "graph")
+                            except torch.OutOfMemoryError:
+                                self.log(f"OOM {name} {sname} {lname} M={M} {mode}")
+                                continue
+                            row[f"{lname}_{mode}_us"] = t
+                        gc.collect()
+                        if not self.smoke:
+                            torch.cuda.empty_cache()
+                    t = row.get("triton_graph_us")
+                    if t:
+                        row.update(triton_pct_floor=100 * floor / t, triton_TBps=nbytes / t / 1e6,
+                                   triton_TFLOPs=flops / t / 1e6)
+                    if t and row.get("grouped_mm_graph_us"):
+                        row["speedup_vs_grouped_mm"] = row["grouped_mm_graph_us"] / t
+                        row["grouped_mm_pct_floor"] = 100 * floor / row["grouped_mm_graph_us"]
+                    rows.append(row)
+                    self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+                    self.results["bench"] = rows
+                    self.save()
+        self.write_tables(rows)
+
+    def write_tables(self, rows):
+        keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("model", "scheme", "M"), k))
+        with open(self.out / "bench.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+        lines = ["| model | scheme | M | floor µs | triton graph µs | % floor | TB/s | TFLOP/s | triton eager µs "
+                 "| grouped_mm graph µs | gmm % floor | triton speedup |", "|" + "---|" * 12]
+
+        def f(r, k, fmt):
+            return format(r[k], fmt) if k in r else "–"
+        for r in rows:
+            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | {r['floor_us']:.1f} | "
+                         f"{f(r, 'triton_graph_us', '.1f')} | {f(r, 'triton_pct_floor', '.0f')} | "
+                         f"{f(r, 'triton_TBps', '.2f')} | {f(r, 'triton_TFLOPs', '.0f')} | "
+                         f"{f(r, 'triton_eager_us', '.1f')} | {f(r, 'grouped_mm_graph_us', '.1f')} | "
+                         f"{f(r, 'grouped_mm_pct_floor', '.0f')} | {f(r, 'speedup_vs_grouped_mm', '.2f')} |")
+        (self.out / "bench.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+
+    def save(self):
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", default="all", choices=["all", "correctness", "tune", "bench"])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--ms", nargs="+", type=int, default=M_LIST)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--fast", action="store_true", help="eager timings only for M >= 1024")
+    p.add_argument("--install-configs", action="store_true", help="tune: also write into kernels/configs/")
+    args = p.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+    b = Bench(args)
+    b.ceilings()
+    if args.phase in ("all", "correctness"):
+        b.correctness()
+    if args.phase in ("all", "tune"):
+        b.tune()
+    if args.phase in ("all", "bench"):
+        b.bench()
+    b.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared builders for the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from moerules.activation import Activation, Dtype
+from moerules.kernels import build_layer, make_random_weights
+from moerules.kernels.reference import moe_reference
+from moerules.kernels.routing import fused_topk
+from moerules.kernels.scheme import TORCH_DTYPE, scheme_cells
+from moerules.quant import QuantConfig
+
+
+def quant_of(cell: str) -> QuantConfig:
+    s = scheme_cells()[cell]
+    if s.weight_dtype is None:
+        return QuantConfig()
+    return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
+                       activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)
+
+
+def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activation.silu, dtype=Dtype.fp16,
+               E=8, H=160, I=96, bias=False, seed=0, device="cpu", **kw):
+    w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_of(cell), in_dtype=dtype,
+                            has_bias=bias, seed=seed, device=device)
+    return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell), activation=activation,
+                       in_dtype=dtype, activation_format="standard", weights=w, device=device, **kw)
+
+
+def random_inputs(layer, M: int, top_k: int, *, seed: int = 1, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, layer.hidden_size, generator=g, device=device).to(TORCH_DTYPE[layer.weights.in_dtype])
+    ids, w = fused_topk(torch.randn(M, layer.weights.num_experts, generator=g, device=device), top_k=top_k,
+                        renormalize=True)
+    return x, ids, w
+
+
+def reference64(layer, x, ids, w) -> torch.Tensor:
+    """float64 reference on the same prepared (quantised) input as the layer's experts see."""
+    pf = layer.prepare_finalize
+    p = pf.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False, a13_scale=layer.weights.a13_scale)
+    out = moe_reference(p.hidden_q, weights=layer.weights, topk_ids=ids, topk_weights=w, a_scale=p.a_scale,
+                        activation=layer.experts.activation, compute_dtype=torch.float64)
+    return pf.finalize(out, topk_ids=ids, topk_weights=w, hidden_size=layer.hidden_size)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "output has NaN/Inf (an element was not written?)"
+    return ((out.double() - ref).norm() / ref.norm()).item()

@@ -78,6 +78,14 @@ Expr = Union[Cmp, In, And, Or, Not]
 _TOKEN = re.compile(r"\s*(?:(?P<op>==|!=|<=|>=|<|>|\(|\)|\[|\]|,)|(?P<num>-?\d+)(?![\w.])"
                     r"|(?P<str>'[^']*'|\"[^\"]*\")|(?P<name>[A-Za-z_][\w.]*))")
 _NEGATED_OP = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
+# Operators people write from other languages, and what this language spells them as.
+_OPERATOR_HINTS = {"=>": ">=", "=<": "<=", "<>": "!=", "=": "==", "&&": "and", "||": "or", "!": "not",
+                   "is": "==", "equals": "==", "eq": "==", "ne": "!=", "contains": "in", "&": "and", "|": "or"}
+
+
+def _operator_hint(word: str) -> str:
+    known = _OPERATOR_HINTS.get(word)
+    return f"did you mean {known!r}?" if known else "operators: == != < <= > >= in, not in, and, or, not"
 
 
 def suggest(name: str, candidates) -> Optional[str]:
@@ -100,7 +108,9 @@ class _Parser:
             match = _TOKEN.match(text, at)
             if not match or match.end() == at:
                 bad = at + len(text[at:]) - len(text[at:].lstrip())
-                raise ExprError(f"unexpected character {text[bad]!r}", bad)
+                word = next((w for w in ("=>", "=<", "<>", "&&", "||", "=", "!", "&", "|") if text.startswith(w, bad)),
+                            text[bad])
+                raise ExprError(f"unknown operator {word!r}", bad, _operator_hint(word))
             kind = match.lastgroup
             tokens.append((kind, match.group(kind), match.start(kind)))
             at = match.end()
@@ -181,6 +191,8 @@ class _Parser:
                     raise ExprError("expected 'in' after 'not'", self.peek()[2])
             self.take()
             return In(spec, self._value_list(spec), negated)
+        if kind == "name" and text in _OPERATOR_HINTS:
+            raise ExprError(f"unknown operator {text!r}", at, _operator_hint(text))
         if spec.kind != "bool":
             raise ExprError(f"field {spec.path!r} is {spec.kind}; compare it with an operator", at)
         return Cmp(spec, "==", True)

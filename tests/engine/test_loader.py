@@ -91,3 +91,15 @@ def test_content_hash_ignores_formatting(tmp_path):
     file = tmp_path / "r" / "60-dispatch.yaml"
     file.write_text(file.read_text().replace("# Which", "#   reformatted comment\n# Which"))
     assert load_rules(tmp_path / "r").hash == load_rules().hash
+
+
+@pytest.mark.parametrize("condition,operator,hint", [
+    ("platform.cc => 90", "=>", "did you mean '>='?"),
+    ("platform.arch = gfx950", "=", "did you mean '=='?"),
+    ("features.lora && parallel.use_ep", "&&", "did you mean 'and'?"),
+    ("platform.arch is gfx950", "is", "did you mean '=='?"),
+])
+def test_unknown_operators_suggest_the_right_one(tmp_path, condition, operator, hint):
+    error = only_error(tmp_path, f"version: 1\ndispatch:\n  - id: d\n    when: {condition}\n    use: local\n")
+    assert (error.message, error.hint, error.line) == (f"unknown operator {operator!r}", hint, 4)
+    assert error.col == 11 + condition.index(operator)

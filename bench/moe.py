@@ -282,6 +282,7 @@ class Bench:
         self.results.setdefault("tuned_files", {})[key] = table
         self.save()
         if self.args.install_configs:
+            CONFIG_DIR.mkdir(exist_ok=True)
             (CONFIG_DIR / key).write_text(json.dumps(table, indent=1) + "\n")
             _load_file.cache_clear()
 

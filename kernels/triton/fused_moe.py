@@ -22,9 +22,9 @@ import triton.language as tl
 
 # Activation codes shared with launch.py.
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
-SWIGLUOAI_ALPHA: tl.constexpr = 1.702
-SWIGLUOAI_LIMIT: tl.constexpr = 7.0
-SCALE_BLOCK: tl.constexpr = 128
+SWIGLUOAI_ALPHA = tl.constexpr(1.702)  # globals used in @jit must be tl.constexpr objects
+SWIGLUOAI_LIMIT = tl.constexpr(7.0)
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit

@@ -104,7 +104,7 @@ class Assembler:
         if winner is None:
             pinned = [r.reason for r in evaluation.rejections if r.backend == self.requested]
             return self._unsupported(evaluation, self._no_backend_message(evaluation, eligible),
-                                     pinned[0] if pinned else None)
+                                     pinned[0] if pinned else None, dispatcher)
         return self._selected(evaluation, winner, dispatcher, selected_by, fallback,
                               [b for b in eligible if b != winner])
 
@@ -178,10 +178,11 @@ class Assembler:
         return Padding(hidden_pad=hidden_padded - hidden, intermediate_pad=inter_padded - inter,
                        hidden_padded=hidden_padded, intermediate_padded=inter_padded)
 
-    def _unsupported(self, evaluation: Evaluation, error: str,
-                     reason: Optional[ReasonCode] = None) -> Decision:
+    def _unsupported(self, evaluation: Evaluation, error: str, reason: Optional[ReasonCode] = None,
+                     dispatcher: Optional[str] = None) -> Decision:
+        """No layer; `prepare_finalize` still names the dispatcher when only the experts failed."""
         return Decision(outcome=Outcome.unsupported, error=error, failure_reason=reason,
-                        **self._common(evaluation))
+                        prepare_finalize=dispatcher, **self._common(evaluation))
 
     def _common(self, evaluation: Evaluation) -> dict:
         return dict(requested=self.requested, rejections=tuple(evaluation.rejections),

@@ -120,9 +120,9 @@ def test_router_logits_path_matches_explicit_topk():
 @pytest.mark.parametrize("cell", ["fp8_w8a8/channel/token", "fp8_w8a8/tensor/tensor-static"])
 def test_activations_quantised_exactly_once(cell, monkeypatch):
     """Local dispatcher quantises, experts must not; a deferring dispatcher flips both, same result."""
-    from moerules.kernels import interfaces, prepare_finalize
+    from moerules.kernels import interfaces, prepare_finalize, reference
     calls = []
-    for mod in (interfaces, prepare_finalize):
+    for mod in (interfaces, prepare_finalize, reference):
         real = mod.quantize_activation
         monkeypatch.setattr(mod, "quantize_activation",
                             lambda x, _real=real, _m=mod.__name__, **kw: calls.append(_m) or _real(x, **kw))
@@ -133,9 +133,9 @@ def test_activations_quantised_exactly_once(cell, monkeypatch):
         x, ids, w = random_inputs(layer, 5, 2)
         calls.clear()
         results[defer] = layer(x, topk_ids=ids, topk_weights=w)
-        # input: once, by the dispatcher or by the experts; intermediate: once, by the experts
+        # input: once, by the dispatcher or by the experts; intermediate: once, inside the reference experts
         expected_input_quant = "moerules.kernels.interfaces" if defer else "moerules.kernels.prepare_finalize"
-        assert calls == [expected_input_quant, "moerules.kernels.interfaces"]
+        assert calls == [expected_input_quant, "moerules.kernels.reference"]
     torch.testing.assert_close(results[False], results[True])
 
 

@@ -245,9 +245,9 @@ class Bench:
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
                 layer = self.layer(name, cell, "triton.fused_moe")
                 w = layer.weights
-                table = {}
+                table = self.existing_table(model, w.scheme) if self.args.refine else {}
                 for M in self.ms:
-                    if M > 4096 and not self.smoke:
+                    if M > 4096 and not self.smoke and not self.args.refine:
                         continue  # nearest-M lookup reuses the 4096 entry; saves device time
                     x, ids, tw = self.inputs(name, M)
                     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
@@ -260,7 +260,9 @@ class Bench:
                                              t, static_scale=w.a2_scale),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     best = None
-                    for bm, g1s, g2s in self.candidates(M, model, w.scheme):
+                    if self.args.refine:
+                        best = self.refine(run, M, model, w.scheme)
+                    for bm, g1s, g2s in ([] if self.args.refine else self.candidates(M, model, w.scheme)):
                         base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k,
                                               eight_bit=w.scheme.weight_dtype is not None)
                         g2_fixed = base.gemm2 if base.gemm2 in g2s or not g2s else g2s[0]
@@ -274,6 +276,45 @@ class Bench:
                         table[str(M)] = best[1].to_dict()
                         self.log(f"tuned {name} {sname} M={M}: {best[0]:.1f} us {best[1]}")
                         self.write_config(model, w.scheme, table)
+
+    def existing_table(self, model: Model, scheme: Scheme) -> dict:
+        key = config_file_name(num_experts=model.E, intermediate=model.I, device_name=self.device_name(),
+                               dtype=dtype_key(scheme, self.in_dtype.value))
+        path = CONFIG_DIR / key
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def refine(self, run, M: int, model: Model, scheme: Scheme):
+        """Local search around the config in use: BLOCK_N x{1/2,1,2}, BLOCK_K x{1/2,2}, warps, stages."""
+        from moerules.kernels.triton.config import check_config, get_config
+        cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
+                         in_dtype_name=self.in_dtype.value, device_name=self.device_name())
+        wbytes, abytes = (1 if scheme.weight_dtype else 2), (1 if scheme.act_dtype else 2)
+
+        def around(g: GemmConfig, n_b: int):
+            out = [g]
+            for bn in (g.BLOCK_N // 2, g.BLOCK_N, g.BLOCK_N * 2):
+                for bk in ((g.BLOCK_K // 2, g.BLOCK_K, g.BLOCK_K * 2) if bn == g.BLOCK_N else (g.BLOCK_K,)):
+                    for warps in (4, 8):
+                        for stages in (2, 3, 4):
+                            c = GemmConfig(bn, bk, g.GROUP_M, warps, stages)
+                            smem = stages * (cur.BLOCK_M * bk * abytes + n_b * bk * bn * wbytes)
+                            if 32 <= bn <= 256 and 32 <= bk <= 256 and smem <= 220_000 and c not in out:
+                                out.append(c)
+            return out
+
+        def valid(cfgs):
+            ok = []
+            for c in cfgs:
+                try:
+                    check_config(c, scheme)
+                    ok.append(c)
+                except ValueError:
+                    pass
+            return ok
+        b1 = self.pick(run, valid([MoEConfig(cur.BLOCK_M, g, cur.gemm2) for g in around(cur.gemm1, 2)]))
+        b2 = self.pick(run, valid([MoEConfig(cur.BLOCK_M, b1[1].gemm1, g) for g in around(cur.gemm2, 1)]))
+        self.log(f"refine {M}: {cur} -> {b2[1]} ({b2[0]:.1f} us)")
+        return b2
 
     def write_config(self, model: Model, scheme: Scheme, table: dict):
         """After every M, so a run cut short keeps what it tuned; also into the package when --install-configs."""
@@ -299,7 +340,8 @@ class Bench:
         return best
 
     def timed_schemes(self, name: str):
-        return ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else [])
+        names = ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else [])
+        return [n for n in names if not self.args.schemes or n in self.args.schemes]
 
     # ---- timing --------------------------------------------------------------------------------
     def floor_us(self, model: Model, M: int, sname: str) -> tuple[float, float, float]:
@@ -385,6 +427,8 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--fast", action="store_true", help="eager timings only for M >= 1024")
     p.add_argument("--install-configs", action="store_true", help="tune: also write into kernels/configs/")
+    p.add_argument("--refine", action="store_true", help="tune: local search around the configs in use")
+    p.add_argument("--schemes", nargs="+", choices=list(TIMED_SCHEMES), help="tune/bench only these schemes")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")

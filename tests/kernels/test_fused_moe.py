@@ -3,7 +3,7 @@
 The reference consumes the same quantised input and re-quantises the intermediate the same
 way, so the tolerances bound the kernels' own arithmetic (fp32 accumulation, in_dtype
 output and intermediate rounding), not quantisation noise:
-  unquantised / W8A16, fp16 out:   2e-3  (fp16 rounding is ~3e-4 relative)
+  unquantised / W8A16, fp16 out:   2e-3  (fp16 rounding is ~3e-4 relative); bf16 out (GPU): 8e-3
   W8A8:                            1e-2  (a 1-ulp difference in the fp16 intermediate can flip
                                           one fp8/int8 rounding of the GEMM2 input)
   bf16 out (reference, grouped_mm): 2e-2 (bf16 rounding is ~3e-3; grouped_mm also rounds the
@@ -27,7 +27,9 @@ ACTIVATIONS = sorted(GATED_ACTIVATIONS, key=lambda a: a.value)
 
 
 def triton_tol(cell: str) -> float:
-    return 1e-2 if "w8a8" in cell else 2e-3
+    if "w8a8" in cell:
+        return 1e-2
+    return 2e-3 if TRITON_DTYPE == Dtype.fp16 else 8e-3  # bf16 output rounding is ~8x coarser
 
 
 @pytest.mark.parametrize("cell", CELLS)

@@ -58,7 +58,8 @@ def test_validate_topk_rejects_out_of_range_and_swaps():
 def test_moe_align_invariants(T, E, block_m):
     from moerules.kernels.triton.align import moe_align, use_naive_assignment
     ids = torch.randint(0, E, (T,), generator=torch.Generator().manual_seed(T), dtype=torch.int32)
-    a = moe_align(ids, num_experts=E, block_m=block_m)
+    a = moe_align(ids.to(DEVICE), num_experts=E, block_m=block_m)
+    a = type(a)(a.sorted_ids.cpu(), a.expert_ids.cpu(), a.num_post_padded.cpu(), a.block_m)
     used = int(a.num_post_padded)
     assert used % block_m == 0 and used <= a.sorted_ids.numel()
     rows = a.sorted_ids[:used].view(-1, block_m)
@@ -75,8 +76,8 @@ def test_moe_align_drops_out_of_range_ids():
     """No index outside the buffers even for bad ids (the case where host validation is skipped)."""
     from moerules.kernels.triton.align import moe_align
     ids = torch.tensor([0, 9, 1, -3, 1, 2, 100, 3, 0, 1], dtype=torch.int32)
-    a = moe_align(ids, num_experts=4, block_m=16)
-    rows = a.sorted_ids[:int(a.num_post_padded)]
+    a = moe_align(ids.to(DEVICE), num_experts=4, block_m=16)
+    rows = a.sorted_ids[:int(a.num_post_padded)].cpu()
     assert sorted(rows[rows < ids.numel()].tolist()) == [0, 2, 4, 5, 7, 8, 9]
 
 
@@ -96,8 +97,14 @@ def test_activation_quant_roundtrip_and_triton_agrees(dtype, gran):
     from moerules.kernels.triton.quant import quantize_activation_triton
     qt, st = quantize_activation_triton(x.to(DEVICE), dtype=dtype, granularity=gran)
     torch.testing.assert_close(st.cpu(), s)
-    if dtype == torch.int8 or torch.cuda.is_available():
-        assert torch.equal(qt.cpu().float(), q.float())
+    # Triton's fp32 division is approximate (<= 2 ulp), so a value on a rounding tie may land one
+    # quantisation step away from torch's; anything more is a bug.
+    qt, qf = qt.cpu().float(), q.float()
+    if dtype == torch.int8:
+        assert (qt - qf).abs().max() <= 1 and (qt == qf).float().mean() > 0.99
+    elif torch.cuda.is_available():
+        torch.testing.assert_close(qt, qf, rtol=0.125, atol=2 ** -9)
+        assert (qt == qf).float().mean() > 0.99
     # Under TRITON_INTERPRET the fp32->fp8 cast mishandles a rounding carry into the next exponent
     # (-127.94 becomes -64, not -128), so fp8 values are compared on the GPU only. CPU layers never
     # take this path: quantize_activation uses torch off CUDA.

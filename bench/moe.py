@@ -94,10 +94,6 @@ class Bench:
     def device_name(self) -> str:
         return "cpu" if self.smoke else torch.cuda.get_device_name()
 
-    def sync(self):
-        if not self.smoke:
-            torch.cuda.synchronize()
-
     def time_us(self, fn, *, graph: bool, rep: int = 100) -> float:
         """Median µs of fn(). Graph mode captures one call and replays it."""
         if self.smoke:
@@ -133,7 +129,6 @@ class Bench:
         b = torch.empty_like(a)
         t = self.time_us(lambda: b.copy_(a), graph=False) * 1e-6
         copy = 2 * a.numel() * 2 / t / 1e12
-        del a, b
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         t = self.time_us(lambda: x @ y, graph=False) * 1e-6
@@ -143,7 +138,6 @@ class Bench:
         t = self.time_us(lambda: torch._scaled_mm(xf, yf, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                                   use_fast_accum=True), graph=False) * 1e-6
         fp8 = 2 * 8192 ** 3 / t / 1e12
-        del x, y, xf, yf
         self.results["ceilings"] = {"copy_TBps": copy, "bf16_TFLOPs": bf16, "fp8_TFLOPs": fp8}
         self.log(f"ceilings: copy {copy:.2f} TB/s, bf16 {bf16:.0f} TFLOP/s, fp8 {fp8:.0f} TFLOP/s")
 

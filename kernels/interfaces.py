@@ -22,8 +22,8 @@ from .quantize import quantize_activation
 from .scheme import Scheme
 from .weights import MoEWeights
 
+# Activation formats: "standard" ([tokens, H], this issue); "batched" ([E, max_tokens, H]) comes with EP.
 STANDARD = "standard"
-BATCHED = "batched"
 
 
 @dataclass

@@ -18,11 +18,6 @@ if not HAS_GPU:
 
 import pytest  # noqa: E402
 
-from moerules.activation import Dtype  # noqa: E402
-
-DEVICE = "cuda" if HAS_GPU else "cpu"
-# Dtype for Triton tests: bf16 where it is computed right (GPU), fp16 under the interpreter.
-TRITON_DTYPE = Dtype.bf16 if HAS_GPU else Dtype.fp16
 
 
 @pytest.fixture

@@ -11,6 +11,10 @@ from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, scheme_cells
 from moerules.quant import QuantConfig
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Dtype for Triton tests: bf16 where tl.dot computes it right (GPU), fp16 under the interpreter (conftest.py).
+TRITON_DTYPE = Dtype.bf16 if torch.cuda.is_available() else Dtype.fp16
+
 
 def quant_of(cell: str) -> QuantConfig:
     s = scheme_cells()[cell]

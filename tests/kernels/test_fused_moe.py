@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, TRITON_DTYPE
-from kernel_helpers import make_layer, random_inputs, reference64, rel_err
+from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, random_inputs, reference64, rel_err
 
 from moerules.activation import Activation, Dtype
 from moerules.kernels.activations import GATED_ACTIVATIONS

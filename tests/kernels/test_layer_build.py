@@ -6,8 +6,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import DEVICE, TRITON_DTYPE
-from kernel_helpers import make_layer, quant_of, random_inputs, reference64, rel_err
+from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, reference64, rel_err
 
 from moerules.activation import Activation, Dtype
 from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from kernel_helpers import DEVICE
 
 from moerules.kernels.quantize import (FP8_MAX, dequantize_activation, dequantize_weight, quantize_activation,
                                        quantize_weight)

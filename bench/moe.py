@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from moerules.activation import Activation, Dtype
-from moerules.kernels import KernelBuildError, build_layer, make_random_weights
+from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_weights
 from moerules.kernels.example import run_forward
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
@@ -157,7 +157,6 @@ class Bench:
 
     def layer(self, name: str, cell: str, kernel_id: str):
         m = self.models[name]
-        from moerules.kernels.layer import RoutingConfig
         return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell),
                            activation=m.activation, in_dtype=self.in_dtype, activation_format="standard",
                            weights=self.weights(name, cell), device=self.device, routing=RoutingConfig(top_k=m.k))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -165,6 +166,81 @@ def cmd_run(args) -> int:
     return OK
 
 
+def _progress(done: int, total: int) -> None:
+    print(f"  {done}/{total} cells", file=sys.stderr, flush=True)
+
+
+def cmd_matrix(args) -> int:
+    from moerules.engine import matrix, matrix_html
+    from moerules.engine.decide import engine_for
+    engine = engine_for(args.rules)
+    out = Path(args.out)
+    print(f"moerules: deciding the matrix ({engine.name} engine)...", file=sys.stderr)
+    rows = matrix.build_rows(engine, progress=_progress)
+    golden = out / "decisions.csv"
+    if args.check:
+        if not golden.is_file():
+            raise InputError(f"{golden}: no golden matrix; run `moerules matrix --out {out}` and commit it")
+        changes = matrix.compare(matrix.from_csv(golden.read_text(encoding="utf-8")), {r["cell"]: r for r in rows})
+        for change in changes[:args.limit]:
+            print(change.describe())
+        if len(changes) > args.limit:
+            print(f"... and {len(changes) - args.limit} more")
+        print(matrix.summary(changes, len(rows)))
+        if changes:
+            print(f"the rules changed these cells; if intended, run `moerules matrix --out {out}` and commit")
+        return INVALID if changes else OK
+    out.mkdir(parents=True, exist_ok=True)
+    golden.write_text(matrix.to_csv(rows), encoding="utf-8")
+    (out / "index.html").write_text(matrix_html.render({r["cell"]: r for r in rows}, engine.ruleset.hash),
+                                    encoding="utf-8")
+    print(f"wrote {golden} ({len(rows)} cells) and {out / 'index.html'}")
+    return OK
+
+
+def cmd_diff(args) -> int:
+    from moerules.engine import matrix
+    from moerules.engine.decide import Engine
+    from moerules.engine.ruleset_source import resolve
+    old, new = Engine(resolve(args.old)), Engine(resolve(args.new))
+    cells = [] if args.no_matrix else list(matrix.cells(set(old.ruleset.backends) | set(new.ruleset.backends)))
+    cells += list(matrix.random_cells(args.random, args.seed))
+    print(f"moerules: comparing {len(cells)} configs ({args.random} random)...", file=sys.stderr)
+    changes = matrix.compare({c.key: matrix.row(old, c) for c in cells}, {c.key: matrix.row(new, c) for c in cells})
+    if args.json:
+        print(json.dumps({"old": old.ruleset.hash, "new": new.ruleset.hash, "configs": len(cells),
+                          "changed": len(changes), "changes": [c.to_dict() for c in changes]}, indent=2))
+    else:
+        for change in changes[:args.limit]:
+            print(change.describe())
+        if len(changes) > args.limit:
+            print(f"... and {len(changes) - args.limit} more (--json for all)")
+        print(matrix.summary(changes, len(cells)))
+    return UNSUPPORTED if changes and args.fail_on_change else OK
+
+
+def cmd_mutate(args) -> int:
+    from moerules.engine import mutate
+    from moerules.engine.loader import load_rules
+    ruleset = load_rules(args.rules)
+
+    def progress(outcome, number, total):
+        mark = "killed" if outcome.killed else "SURVIVED"
+        print(f"  [{number}/{total}] {outcome.mutant.rule} {outcome.mutant.operator}: {mark}", file=sys.stderr,
+              flush=True)
+    outcomes = mutate.run(ruleset, sample=args.sample, seed=args.seed, workers=args.workers, progress=progress)
+    survivors = [o for o in outcomes if not o.killed]
+    if args.report:
+        Path(args.report).write_text(mutate.report_markdown(outcomes, ruleset.hash), encoding="utf-8")
+    if args.json:
+        print(json.dumps([o.to_dict() for o in outcomes], indent=2))
+    else:
+        for o in survivors:
+            print(f"SURVIVED {o.mutant.rule} {o.mutant.operator}: {o.mutant.detail}")
+        print(f"{len(outcomes) - len(survivors)}/{len(outcomes)} mutants killed")
+    return UNSUPPORTED if survivors else OK
+
+
 # -- argument parsing -----------------------------------------------------------------------
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
@@ -208,6 +284,34 @@ def make_parser() -> argparse.ArgumentParser:
     schema.add_argument("--out", help="folder (default: the package's schema/)")
     schema.add_argument("--check", action="store_true", help="fail if the committed files are stale")
     schema.set_defaults(func=cmd_schema)
+    matrix = commands.add_parser("matrix", help="decide every cell of the categorical space (golden table + HTML)",
+                                 description="decide every cell of the categorical space; write or check the golden table")
+    matrix.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
+    matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
+    matrix.add_argument("--limit", type=int, default=50, help="changed cells to print (default 50)")
+    matrix.set_defaults(func=cmd_matrix)
+    diff = commands.add_parser("diff", help="which decisions change between two rule sets",
+                               description="compare two rule sets (folders, files, or git refs of rules/) over the "
+                                           "matrix and random configs")
+    diff.add_argument("old", help="rules folder/file or git ref (e.g. main, HEAD~1, v0.1:rules)")
+    diff.add_argument("new", help="rules folder/file or git ref")
+    diff.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
+    diff.add_argument("--seed", type=int, default=0)
+    diff.add_argument("--no-matrix", action="store_true", help="random configs only (quick)")
+    diff.add_argument("--limit", type=int, default=50, help="changes to print (default 50)")
+    diff.add_argument("--json", action="store_true")
+    diff.add_argument("--fail-on-change", action="store_true", help="exit 1 when any decision changed (CI gate)")
+    diff.set_defaults(func=cmd_diff)
+    mutate = commands.add_parser("mutate", help="delete/negate/weaken each rule; report mutants the matrix misses",
+                                 description="rule mutation testing against the decision matrix")
+    mutate.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    mutate.add_argument("--sample", type=int, help="test a seeded sample of this many mutants")
+    mutate.add_argument("--seed", type=int, default=0)
+    mutate.add_argument("--report", help="write a markdown report here")
+    mutate.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    mutate.add_argument("--json", action="store_true")
+    mutate.set_defaults(func=cmd_mutate)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               description="decide, build the layer with seeded weights, run one forward pass")
     _config_arguments(run)

@@ -44,7 +44,8 @@ class Engine:
     def name(self) -> str:
         return self.runner.name
 
-    def decide(self, config: MoEConfig) -> Decision:
+    def decide(self, config: MoEConfig, *, quiet: bool = False) -> Decision:
+        """The (cached) decision; `quiet` skips the fallback log line (bulk tools such as matrix)."""
         self._check_pin(config)
         with self._lock:
             cached = self._cache.get(config)
@@ -52,7 +53,7 @@ class Engine:
                 self._cache.move_to_end(config)
         if cached is None:
             cached = self._evaluate(config)
-            if cached.fallback_rule:  # logged once per (rules, config): later hits come from the cache
+            if cached.fallback_rule and not quiet:  # logged once per (rules, config): later hits come from the cache
                 log.warning("moerules: auto mode fell back to %s by rule %s", cached.backend, cached.fallback_rule)
             with self._lock:
                 self._cache[config] = cached
@@ -100,7 +101,7 @@ class Assembler:
         eligible = [b for b in order if b in evaluation.eligible]
         # Eligible backends a platform list omits stay pinnable; lint reports the omission.
         eligible += sorted(b for b in evaluation.eligible if b in self.ruleset.backends and b not in order)
-        winner, selected_by, fallback = self._choose(evaluation, order, eligible)
+        winner, selected_by, fallback = self._choose(evaluation, order)
         if winner is None:
             pinned = [r.reason for r in evaluation.rejections if r.backend == self.requested]
             return self._unsupported(evaluation, self._no_backend_message(evaluation, eligible),
@@ -108,7 +109,7 @@ class Assembler:
         return self._selected(evaluation, winner, dispatcher, selected_by, fallback,
                               [b for b in eligible if b != winner])
 
-    def _choose(self, evaluation: Evaluation, order: list[str], eligible: list[str]):
+    def _choose(self, evaluation: Evaluation, order: list[str]):
         if self.requested != "auto":
             if self.requested in evaluation.eligible:
                 return self.requested, SelectedBy.pinned, None

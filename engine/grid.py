@@ -10,7 +10,7 @@ from typing import Iterator
 from moerules.config import All2AllBackend, MoEConfig, Package
 from moerules.quant import QuantFamily
 
-PLATFORMS = [("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"), ("cuda", "sm_100"),
+PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"), ("cuda", "sm_100"),
              ("cuda", "sm_110"), ("cuda", "sm_120"), ("rocm", "gfx942"), ("rocm", "gfx950"), ("rocm", "gfx1200"),
              ("xpu", "xe_hpc"), ("cpu", "x86_64")]
 QUANTS = [{"family": f.value} for f in QuantFamily] + [

@@ -9,7 +9,7 @@ import torch
 
 from .interfaces import Experts, PrepareFinalize
 from .scheme import TORCH_DTYPE
-from .routing import fused_topk, grouped_topk, validate_topk
+from .routing import check_topk_dtypes, fused_topk, grouped_topk, validate_topk
 from .weights import MoEWeights
 
 
@@ -71,6 +71,9 @@ class MoELayer:
         prepared = self.prepare_finalize.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights,
                                                  defer_input_quant=self.experts.expects_unquantized_inputs,
                                                  a13_scale=self.weights.a13_scale)
+        # The prepare/finalize boundary is where a dispatcher returning its tuple in another order
+        # swaps ids and weights (a seed regression); the dtype check costs no sync.
+        check_topk_dtypes(topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights)
         out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
                                  topk_weights=prepared.topk_weights, a_scale=prepared.a_scale)
         return self.prepare_finalize.finalize(out, topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights,

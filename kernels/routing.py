@@ -51,6 +51,16 @@ def grouped_topk(router_logits: torch.Tensor, *, top_k: int, num_expert_group: i
     return ids.to(torch.int32), weights * routed_scaling_factor
 
 
+def check_topk_dtypes(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """Integer ids and floating weights: the cheap check that catches the two being swapped."""
+    if topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype} "
+                         "(were topk_ids and topk_weights swapped?)")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be a floating tensor, got {topk_weights.dtype} "
+                         "(were topk_ids and topk_weights swapped?)")
+
+
 def validate_topk(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Check given top-k tensors before any kernel indexes memory with them.
@@ -62,12 +72,7 @@ def validate_topk(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tok
     CUDA graph is being captured no sync is allowed, so the range check is skipped there;
     the Triton align kernel then drops out-of-range ids instead of indexing with them.
     """
-    if topk_ids.is_floating_point() or topk_ids.is_complex():
-        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype} "
-                         "(were topk_ids and topk_weights swapped?)")
-    if not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights must be a floating tensor, got {topk_weights.dtype} "
-                         "(were topk_ids and topk_weights swapped?)")
+    check_topk_dtypes(topk_ids=topk_ids, topk_weights=topk_weights)
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [num_tokens={num_tokens}, top_k]")

@@ -57,7 +57,7 @@ def detect():
 
 def build(decision, weights, **kwargs):
     """A runnable MoE layer on the kernels the decision names."""
-    from moerules.build import build as _build
+    from moerules.builder import build as _build
     return _build(decision, weights, **kwargs)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moerules.build import build, default_device
+from moerules.builder import build, default_device
 from moerules.decision import Decision
 
 

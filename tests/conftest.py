@@ -1,9 +1,15 @@
-"""Hypothesis profiles: `ci` (default, bounded) and `deep` (>= 100k examples per property).
-
-    pytest tests/properties --hypothesis-profile=deep
+"""Shared test setup: hypothesis profiles (`ci` by default, `deep` for >= 100k examples per
+property: `pytest tests/properties --hypothesis-profile=deep`) and mutated copies of the rules.
 """
 
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
 from hypothesis import HealthCheck, settings
+
+from moerules.resources import default_rules_dir
 
 # Properties about selected decisions `assume()` a selection; many drawn configs are (rightly)
 # unsupported, so filtering is expected.
@@ -11,3 +17,29 @@ _QUIET = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_to
 settings.register_profile("ci", max_examples=50, deadline=None, derandomize=True, suppress_health_check=_QUIET)
 settings.register_profile("deep", max_examples=100_000, deadline=None, suppress_health_check=_QUIET)
 settings.load_profile("ci")
+
+
+SECTIONS = ("constraints", "priorities", "dispatch", "plan", "backends", "dispatchers")
+
+
+@pytest.fixture
+def rules_without(tmp_path):
+    """Copy the default rules with the named rules deleted: the mutant a lost rule creates."""
+
+    def make(*rule_ids: str) -> Path:
+        out = tmp_path / ("without-" + "-".join(rule_ids))
+        shutil.copytree(default_rules_dir(), out)
+        found = set()
+        for file in out.glob("*.yaml"):
+            data = yaml.safe_load(file.read_text())
+            for section in SECTIONS:
+                kept = [item for item in data.get(section, []) if item["id"] not in rule_ids]
+                found |= {item["id"] for item in data.get(section, [])} - {item["id"] for item in kept}
+                if section in data:
+                    data[section] = kept
+            file.write_text(yaml.safe_dump(data, sort_keys=False))
+        missing = set(rule_ids) - found
+        assert not missing, f"rules {missing} are not in the default rule set"
+        return out
+
+    return make

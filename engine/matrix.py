@@ -1,0 +1,226 @@
+"""The decision matrix: every cell of the categorical config space, decided and recorded.
+
+The committed golden table (`matrix/decisions.csv`) makes any change of any cell visible in
+review and in CI; `diff` compares two rule sets over the same cells plus random configs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+from moerules.activation import Activation
+from moerules.config import All2AllBackend, MoEConfig, Package, Routing
+from moerules.decision import Decision, Outcome
+from moerules.errors import BackendRejectedError, EngineError
+from moerules.engine.decide import Engine
+from moerules.engine.evaluate import effective_order
+from moerules.engine.grid import PLATFORMS, QUANTS
+
+ACTIVATIONS = ["silu", "swigluoai"]
+ALIGNMENTS = {"aligned": dict(hidden_size=4096, intermediate_size=4096),
+              "unaligned": dict(hidden_size=2880, intermediate_size=2880)}
+PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 2, "expert_parallel": True},
+             "a2a_torch": {"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},
+             "a2a_deepep_ll": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
+             "a2a_mori": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"}}
+PACKAGES = {"all": [p.value for p in Package], "triton": ["triton"]}
+COLUMNS = ["cell", "outcome", "backend", "alternatives", "prepare_finalize", "selected_by", "fallback_rule", "quantized_by",
+           "expects_unquantized_inputs", "dispatch_dtype", "scale_dim", "weight_block", "hidden_pad",
+           "intermediate_pad", "failure_reason", "rules"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: str
+    config: MoEConfig
+
+
+def _quant_name(quant: dict) -> str:
+    return quant["family"] + ("/" + quant["weight_granularity"] if "weight_granularity" in quant else "")
+
+
+# One factor at a time on top of a plain layer: the dimensions the product above leaves at
+# their defaults (each entry: label -> changes to the model/parallel/platform/features sections).
+VARIATIONS: dict[str, dict] = {
+    **{f"act={a.value}": {"model": {"activation": a.value}} for a in Activation if a.value not in ACTIVATIONS},
+    **{f"routing={r.value}": {"model": {"routing": r.value}} for r in Routing if r != Routing.softmax_renormalize},
+    **{f"dtype={d}": {"model": {"in_dtype": d}} for d in ("fp16", "fp32")},
+    "experts=4096": {"model": {"num_experts": 4096}},
+    "bias": {"model": {"has_bias": True}},
+    "batch_invariant": {"features": {"batch_invariant": True}},
+    "eplb": {"parallel": {"eplb": True}},
+    "no_grouped_mm": {"platform": {"torch_grouped_mm": False}},
+    "hidden=2880": {"model": {"hidden_size": 2880}},
+    "intermediate=2880": {"model": {"intermediate_size": 2880}},
+    **{f"a2a={b.value}": {"parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": b.value}}
+       for b in All2AllBackend},
+    **{f"a2a={b.value}+triton_only": {"parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": b.value},
+                                      "platform": {"packages": ["triton"]}} for b in All2AllBackend},
+    **{f"without={p.value}": {"platform": {"packages": [q.value for q in Package if q != p]}} for p in Package},
+    "a2a=deepep_low_latency+without=triton": {
+        "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
+        "platform": {"packages": [q.value for q in Package if q != Package.triton]}},
+}
+
+
+def _cell(platform, quant, parallel, lora, align, activation, packages, pin, variation: str = "") -> Cell:
+    vendor, arch = platform
+    key = "|".join([f"{vendor}:{arch}", _quant_name(quant), parallel, "lora" if lora else "-", align, activation,
+                    f"pkg={packages}", f"pin={pin}"] + ([variation] if variation else []))
+    sections = {"model": dict(num_experts=16, top_k=2, activation=activation, **ALIGNMENTS[align]),
+                "parallel": dict(PARALLELS[parallel]),
+                "platform": {"vendor": vendor, "arch": arch, "packages": PACKAGES[packages]},
+                "features": {"lora": lora, "backend": pin}}
+    for section, values in VARIATIONS.get(variation, {}).items():
+        sections[section] = {**sections[section], **values}
+    return Cell(key, MoEConfig(quant=quant, **sections))
+
+
+def cells(backends: Iterable[str]) -> Iterator[Cell]:
+    """The auto-mode product, then every backend pinned on a plain single-GPU layer per platform/scheme."""
+    for platform, quant, parallel, lora, align, activation, packages in itertools.product(
+            PLATFORMS, QUANTS, PARALLELS, (False, True), ALIGNMENTS, ACTIVATIONS, PACKAGES):
+        yield _cell(platform, quant, parallel, lora, align, activation, packages, "auto")
+    for platform, quant, align, pin in itertools.product(PLATFORMS, QUANTS, ALIGNMENTS, sorted(backends)):
+        yield _cell(platform, quant, "single", False, align, "silu", "all", pin)
+    for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
+        yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
+
+
+def random_cells(count: int, seed: int = 0) -> Iterator[Cell]:
+    """Seeded random configs beyond the categorical grid: other sizes, TP degrees, packages."""
+    rng = random.Random(seed)
+    for index in range(count):
+        vendor, arch = rng.choice(PLATFORMS)
+        hidden = rng.choice([256, 512, 1024]) * rng.randint(1, 8) + rng.choice([0, 0, 64, 128, 192])
+        inter = rng.choice([256, 512]) * rng.randint(1, 12) + rng.choice([0, 0, 64, 128])
+        tp = rng.choice([1, 2, 4, 8])
+        tp = tp if inter % tp == 0 else 1
+        packages = rng.sample(PACKAGES["all"], rng.randint(0, len(PACKAGES["all"])))
+        config = MoEConfig(
+            model=dict(num_experts=rng.choice([8, 64, 256]), top_k=2, hidden_size=hidden, intermediate_size=inter,
+                       activation=rng.choice(ACTIVATIONS + ["relu2_no_mul", "gelu"]), has_bias=rng.random() < 0.2),
+            quant=rng.choice(QUANTS), parallel={**rng.choice(list(PARALLELS.values())), "tp": tp}
+            if rng.random() < 0.5 else rng.choice(list(PARALLELS.values())),
+            platform={"vendor": vendor, "arch": arch, "packages": sorted({"triton", *packages})},
+            features={"lora": rng.random() < 0.2})
+        yield Cell(f"random#{seed}:{index}", config)
+
+
+def decide_cell(engine: Engine, cell: Cell) -> Decision:
+    try:
+        return engine.decide(cell.config, quiet=True)
+    except BackendRejectedError as error:
+        return error.decision
+
+
+def responsible_rules(engine: Engine, decision: Decision) -> list[str]:
+    """The rules a reader needs to explain this cell: what blocked the better-ranked backends
+    (every ranked backend when none was selected or the backend was pinned), what picked the
+    dispatcher and the plan."""
+    fired = set(decision.trace)
+    ruleset = engine.ruleset
+    order = effective_order([r for r in ruleset.priorities if r.id in fired])[0]
+    ahead = order[:order.index(decision.backend)] if decision.backend in order else order
+    if decision.requested != "auto":  # a pinned row also lists why each ranked alternative was out
+        ahead = [decision.requested, *order]
+    rules = {r.rule for r in decision.rejections if r.backend in ahead or r.backend == decision.prepare_finalize}
+    rules |= {r.id for r in ruleset.dispatch if r.id in fired}
+    if decision.quant is not None:
+        rules |= set(decision.quant.rules)
+    return sorted(rules)
+
+
+def row(engine: Engine, cell: Cell) -> dict:
+    """The cell's record; a cell the rules cannot decide (a coverage hole) is an 'error' row."""
+    try:
+        d = decide_cell(engine, cell)
+    except EngineError as error:
+        return {"cell": cell.key, "outcome": "error", "failure_reason": str(error), "rules": ""}
+    q, pad = d.quant, d.padding
+    return {"cell": cell.key, "outcome": d.outcome.value, "backend": d.backend or "",
+            "alternatives": " ".join(d.alternatives),
+            "prepare_finalize": d.prepare_finalize or "", "selected_by": d.selected_by.value if d.selected_by else "",
+            "fallback_rule": d.fallback_rule or "", "quantized_by": q.quantized_by.value if q else "",
+            "expects_unquantized_inputs": str(q.expects_unquantized_inputs) if q else "",
+            "dispatch_dtype": q.dispatch_dtype if q else "", "scale_dim": str(q.scale_dim) if q else "",
+            "weight_block": str(q.weight_block) if q else "", "hidden_pad": str(pad.hidden_pad) if pad else "",
+            "intermediate_pad": str(pad.intermediate_pad) if pad else "",
+            "failure_reason": d.failure_reason.value if d.failure_reason else "",
+            "rules": " ".join(responsible_rules(engine, d))}
+
+
+def build_rows(engine: Engine, progress=None, extra: Iterable[Cell] = ()) -> list[dict]:
+    all_cells = list(cells(engine.ruleset.backends)) + list(extra)
+    rows = []
+    for index, cell in enumerate(all_cells):
+        rows.append(row(engine, cell))
+        if progress and (index + 1) % 2000 == 0:
+            progress(index + 1, len(all_cells))
+    return rows
+
+
+def to_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def from_csv(text: str) -> dict[str, dict]:
+    return {r["cell"]: r for r in csv.DictReader(io.StringIO(text))}
+
+
+@dataclass(frozen=True)
+class Change:
+    cell: str
+    old: dict
+    new: dict
+
+    @property
+    def rules(self) -> list[str]:
+        """Rule ids that explain the difference: in one record's explanation but not the other's."""
+        old, new = set(self.old.get("rules", "").split()), set(self.new.get("rules", "").split())
+        return sorted(old ^ new)
+
+    def fields(self) -> list[str]:
+        return [c for c in COLUMNS[1:-1] if self.old.get(c) != self.new.get(c)]
+
+    def describe(self) -> str:
+        old_b = self.old.get("backend") or self.old.get("outcome", "(absent)")
+        new_b = self.new.get("backend") or self.new.get("outcome", "(absent)")
+        changed = ", ".join(f"{f}: {self.old.get(f)!r} -> {self.new.get(f)!r}" for f in self.fields()
+                            if f != "backend")
+        return (f"{self.cell}: {old_b} -> {new_b}" + (f" ({changed})" if changed else "") +
+                f"; rules: {', '.join(self.rules) or '(same rules, different outcome)'}")
+
+    def to_dict(self) -> dict:
+        return {"cell": self.cell, "old_backend": self.old.get("backend"), "new_backend": self.new.get("backend"),
+                "changed_fields": self.fields(), "rules": self.rules, "old": self.old, "new": self.new}
+
+
+def compare(old: dict[str, dict], new: dict[str, dict]) -> list[Change]:
+    """Cells whose record differs (rules explanations alone do not count as a change)."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, {}), new.get(key, {})
+        if any(a.get(c) != b.get(c) for c in COLUMNS[1:-1]):
+            changes.append(Change(key, a, b))
+    return changes
+
+
+def summary(changes: list[Change], total: Optional[int] = None) -> str:
+    moved: dict[tuple, int] = {}
+    for change in changes:
+        pair = (change.old.get("backend") or change.old.get("outcome", "-"),
+                change.new.get("backend") or change.new.get("outcome", "-"))
+        moved[pair] = moved.get(pair, 0) + 1
+    lines = [f"{len(changes)} changed decision(s)" + (f" of {total}" if total else "")]
+    lines += [f"  {count:6d}  {a} -> {b}" for (a, b), count in sorted(moved.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)

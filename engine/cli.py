@@ -173,7 +173,7 @@ def _progress(done: int, total: int) -> None:
 def cmd_matrix(args) -> int:
     from moerules.engine import matrix, matrix_html
     from moerules.engine.decide import engine_for
-    engine = engine_for(args.rules)
+    engine = engine_for(args.rules, args.engine)
     out = Path(args.out)
     print(f"moerules: deciding the matrix ({engine.name} engine)...", file=sys.stderr)
     rows = matrix.build_rows(engine, progress=_progress)
@@ -290,6 +290,8 @@ def make_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
     matrix.add_argument("--limit", type=int, default=50, help="changed cells to print (default 50)")
+    matrix.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],
+                        help="evaluator; `--check --engine reference` is the engine differential over every cell")
     matrix.set_defaults(func=cmd_matrix)
     diff = commands.add_parser("diff", help="which decisions change between two rule sets",
                                description="compare two rule sets (folders, files, or git refs of rules/) over the "

@@ -8,6 +8,7 @@ set -x
 moerules schema --check
 moerules lint
 moerules matrix --check
+moerules matrix --check --engine reference   # the engine differential over every cell
 # A different sample of rule mutants each commit (seeded by the commit, printed, reproducible).
 seed=$(( 16#$(git rev-parse --short=6 HEAD 2>/dev/null || echo 0) ))
 moerules mutate --sample 8 --seed "$seed"

@@ -1,9 +1,19 @@
-"""Shared test setup: hypothesis profiles (`ci` by default, `deep` for >= 100k examples per
-property: `pytest tests/properties --hypothesis-profile=deep`) and mutated copies of the rules.
+"""Shared test setup: the Triton interpreter on CPUs, hypothesis profiles (`ci` by default,
+`deep` for >= 100k examples per property: `pytest tests/properties --hypothesis-profile=deep`)
+and mutated copies of the rules.
 """
 
+import os
 import shutil
 from pathlib import Path
+
+import torch
+
+# On a CPU, Triton kernels run in Triton's interpreter. TRITON_INTERPRET must be set before
+# triton is first imported by any test module, so it is set here, at the top of collection.
+# The interpreter computes tl.dot wrongly for bf16 operands, so interpreter tests use fp16.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import yaml

@@ -1,23 +1,13 @@
-"""Kernel tests run on CPU in CI: Triton kernels then go through the interpreter.
-
-TRITON_INTERPRET must be set before triton is first imported, hence here, at collection.
-The interpreter computes tl.dot wrongly for bf16 operands (fp16, fp8 and int8 are right),
-so every interpreter test of a Triton kernel uses fp16; bf16 is checked on the GPU by
-bench/moe.py.
+"""Kernel tests run on CPU in CI: Triton kernels then go through the interpreter (enabled in
+tests/conftest.py, before anything imports triton). The interpreter computes tl.dot wrongly
+for bf16 operands (fp16, fp8 and int8 are right), so every interpreter test of a Triton
+kernel uses fp16; bf16 is checked on the GPU by bench/moe.py.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_
 from moerules.kernels.example import run_forward
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
+from moerules.kernels.scheme import quant_for_cell as quant_of
 from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, config_file_name,
                                            default_config, dtype_key)
 from moerules.quant import Granularity as G
@@ -61,14 +62,6 @@ TIMED_SCHEMES = {"bf16": QuantConfig(),
                  "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128)}
 M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
 TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w8a8": 3e-2}
-
-
-def quant_of(cell: str) -> QuantConfig:
-    s = scheme_cells()[cell]
-    if s.weight_dtype is None:
-        return QuantConfig()
-    return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
-                       activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)
 
 
 def tolerance(cell: str) -> float:

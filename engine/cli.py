@@ -260,8 +260,12 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     _rules_arguments(parser)
 
 
-def _rules_arguments(parser: argparse.ArgumentParser) -> None:
+def _rules_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+
+
+def _rules_arguments(parser: argparse.ArgumentParser) -> None:
+    _rules_option(parser)
     parser.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],
                         help="rule evaluator (default: durable-rules where importable)")
 
@@ -277,7 +281,7 @@ def make_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
         sub.set_defaults(func=func)
     lint = commands.add_parser("lint", help="static checks of a rule set", description="static checks of a rule set")
-    lint.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    _rules_option(lint)
     lint.add_argument("--json", action="store_true")
     lint.set_defaults(func=cmd_lint)
     schema = commands.add_parser("schema", help="write the JSON Schema files", description="write the JSON Schema files")
@@ -286,7 +290,7 @@ def make_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_schema)
     matrix = commands.add_parser("matrix", help="decide every cell of the categorical space (golden table + HTML)",
                                  description="decide every cell of the categorical space; write or check the golden table")
-    matrix.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    _rules_option(matrix)
     matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
     matrix.add_argument("--limit", type=int, default=50, help="changed cells to print (default 50)")
@@ -307,7 +311,7 @@ def make_parser() -> argparse.ArgumentParser:
     diff.set_defaults(func=cmd_diff)
     mutate = commands.add_parser("mutate", help="delete/negate/weaken each rule; report mutants the matrix misses",
                                  description="rule mutation testing against the decision matrix")
-    mutate.add_argument("--rules", help="rules folder or file (default: the shipped rule set)")
+    _rules_option(mutate)
     mutate.add_argument("--sample", type=int, help="test a seeded sample of this many mutants")
     mutate.add_argument("--seed", type=int, default=0)
     mutate.add_argument("--report", help="write a markdown report here")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from moerules.config import MoEConfig
-from moerules.decision import (ActivationFormat, Decision, Outcome, Padding, QuantizedBy, QuantPlacement,
+from moerules.decision import (Decision, Outcome, Padding, QuantizedBy, QuantPlacement,
                                ReasonCode, SelectedBy)
 from moerules.errors import BackendRejectedError, EngineError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
@@ -38,6 +38,7 @@ class Engine:
         self.compiled: CompiledRules = compile_rules(ruleset)
         self.runner = _make_runner(self.compiled, engine)
         self._cache: OrderedDict[MoEConfig, Decision] = OrderedDict()
+        self._by_identity: dict[int, tuple[MoEConfig, Decision]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -46,6 +47,11 @@ class Engine:
 
     def decide(self, config: MoEConfig, *, quiet: bool = False) -> Decision:
         """The (cached) decision; `quiet` skips the fallback log line (bulk tools such as matrix)."""
+        # Engines ask once per layer with the same frozen config object: an identity hit skips
+        # the ~5 us nested pydantic hash. The entry holds the config, so its id is not reused.
+        entry = self._by_identity.get(id(config))
+        if entry is not None and entry[0] is config:
+            return self._returned(entry[1])
         self._check_pin(config)
         with self._lock:
             cached = self._cache.get(config)
@@ -59,9 +65,17 @@ class Engine:
                 self._cache[config] = cached
                 if len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
-        if cached.outcome == Outcome.unsupported and cached.requested != "auto":
-            raise BackendRejectedError(cached)
-        return cached
+        with self._lock:
+            self._by_identity[id(config)] = (config, cached)
+            if len(self._by_identity) > _CACHE_SIZE:
+                self._by_identity.pop(next(iter(self._by_identity)))
+        return self._returned(cached)
+
+    @staticmethod
+    def _returned(decision: Decision) -> Decision:
+        if decision.outcome == Outcome.unsupported and decision.requested != "auto":
+            raise BackendRejectedError(decision)
+        return decision
 
     def _check_pin(self, config: MoEConfig) -> None:
         requested = config.features.backend

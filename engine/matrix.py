@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Optional
 
 from moerules.activation import Activation
 from moerules.config import All2AllBackend, MoEConfig, Package, Routing
-from moerules.decision import Decision, Outcome
+from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional
 from moerules.errors import MoeRulesError
 from moerules.engine import matrix
 from moerules.engine.decide import Engine
-from moerules.engine.expr import And, Expr, Not, render
+from moerules.engine.expr import And, Not, render
 from moerules.engine.ruleset import Rule, RuleSet
 
 SECTIONS = ("constraints", "priorities", "dispatch", "plan")
@@ -140,7 +140,7 @@ def _without(ruleset: RuleSet, rule_ids: tuple[str, ...]) -> RuleSet:
 
 def report_markdown(outcomes: list[Outcome], ruleset_hash: str) -> str:
     killed = sum(o.killed for o in outcomes)
-    lines = [f"# Rule mutation report", "",
+    lines = ["# Rule mutation report", "",
              f"Rules {ruleset_hash[:16]}: {killed}/{len(outcomes)} mutants killed "
              f"({100 * killed / max(len(outcomes), 1):.1f}%) by the decision matrix.", "",
              "| rule | operator | mutation | killed | first changed cell |", "|---|---|---|---|---|"]

@@ -98,3 +98,12 @@ def scheme_cells() -> dict[str, Scheme]:
     configs += [QuantConfig(family=F.fp8_w8a16, weight_granularity=w) for w in (G.tensor, G.channel, G.block128)]
     configs += [QuantConfig(family=F.int8_w8a16)]
     return {s.cell: s for s in map(Scheme.from_quant, configs)}
+
+
+def quant_for_cell(cell: str) -> QuantConfig:
+    """The QuantConfig whose scheme is `cell` (a key of `scheme_cells()`), for tests and benchmarks."""
+    s = scheme_cells()[cell]
+    if s.weight_dtype is None:
+        return QuantConfig()
+    return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
+                       activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)

@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 echo "moerules: installing (editable, with torch/triton for the kernels and pytest/hypothesis)"
-pip install --quiet --disable-pip-version-check -e ".[test]"
+pip install --quiet --disable-pip-version-check -e ".[test]" -c constraints.txt

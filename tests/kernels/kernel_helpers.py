@@ -8,20 +8,12 @@ from moerules.activation import Activation, Dtype
 from moerules.kernels import build_layer, make_random_weights
 from moerules.kernels.reference import moe_reference
 from moerules.kernels.routing import fused_topk
-from moerules.kernels.scheme import TORCH_DTYPE, scheme_cells
-from moerules.quant import QuantConfig
+from moerules.kernels.scheme import TORCH_DTYPE
+from moerules.kernels.scheme import quant_for_cell as quant_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Dtype for Triton tests: bf16 where tl.dot computes it right (GPU), fp16 under the interpreter (conftest.py).
 TRITON_DTYPE = Dtype.bf16 if torch.cuda.is_available() else Dtype.fp16
-
-
-def quant_of(cell: str) -> QuantConfig:
-    s = scheme_cells()[cell]
-    if s.weight_dtype is None:
-        return QuantConfig()
-    return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
-                       activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)
 
 
 def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activation.silu, dtype=Dtype.fp16,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -11,10 +10,8 @@ from moerules.decision import Rejection
 from moerules.errors import EngineError
 from moerules.engine.compiler import CFG, PHASE, PLAN, CompiledRules
 from moerules.engine.fields import flatten
+from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
 from moerules.engine.ruleset import Rule
-
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
-
 
 @dataclass
 class Evaluation:
@@ -66,7 +63,7 @@ class PhaseRunner:
 
     def _rejection(self, target: str, rule: Rule) -> Rejection:
         values = {**self.flat, "backend": target}
-        detail = _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), rule.item.message)
+        detail = MESSAGE_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), rule.item.message)
         # Every field comes from a validated rule file, so skip re-validation: a decision
         # builds ~30 of these and validation was a fifth of a cold decide.
         return Rejection.model_construct(backend=target, reason=rule.item.reason, detail=detail, rule=rule.id,

@@ -3,9 +3,9 @@
 - the load checks (schema, unknown fields/backends/operators, typed conditions);
 - durable-rules capacity guards (sibling tests per node, fact properties, rules, joins);
 - kernels that are neither registered nor declared external;
-- backends and dispatchers no config of the grid can select;
+- backends and dispatchers no config of the decision matrix can select;
 - priority lists that omit a backend that is eligible on that platform;
-- dispatch and plan coverage: every grid config gets exactly one dispatcher and a plan.
+- dispatch and plan coverage: every matrix config gets exactly one dispatcher and a plan.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from moerules.config import MoEConfig
 
 from moerules.errors import EngineError, RuleSetError
-from moerules.engine import grid
+from moerules.engine import matrix
 from moerules.engine.compiler import CompiledRules, compile_rules
 from moerules.decision import ReasonCode
 from moerules.engine.decide import Assembler, Engine
@@ -60,7 +60,7 @@ class LintReport:
 
 
 def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None) -> LintReport:
-    """Lint a rule set; coverage is checked over `configs` (default: the whole grid, ~40 s)."""
+    """Lint a rule set; coverage is checked over `configs` (default: every decision-matrix cell, ~1 min)."""
     report = LintReport()
     try:
         ruleset = load_rules(rules)
@@ -72,7 +72,7 @@ def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None) -> LintRepor
     compiled = compile_rules(ruleset)
     _capacity(compiled, report)
     _kernels(ruleset, report)
-    _coverage(ruleset, compiled, report, configs if configs is not None else grid.configs())
+    _coverage(ruleset, compiled, report, configs if configs is not None else (c.config for c in matrix.cells(ruleset.backends)))
     return report
 
 
@@ -92,7 +92,7 @@ def _capacity(compiled: CompiledRules, report: LintReport) -> None:
     for rule in compiled.rules.values():
         if len(rule.patterns) > JOIN_LIMIT:
             report.add("error", "capacity.join", f"{rule.name} joins {len(rule.patterns)} facts (limit {JOIN_LIMIT})")
-    properties = len(flatten(next(iter(grid.configs())).facts()))
+    properties = len(flatten(next(matrix.cells([])).config.facts()))
     if properties > PROPERTY_LIMIT:
         report.add("error", "capacity.properties", f"the config fact has {properties} properties (limit {PROPERTY_LIMIT})")
 
@@ -145,10 +145,10 @@ def _coverage(ruleset: RuleSet, compiled: CompiledRules, report: LintReport, con
             omitted[backend, base.id if base else "(no priority rule)", config.platform.vendor.value] += 1
     for name in list(ruleset.backends) + list(ruleset.dispatchers):
         if name not in ever_eligible:
-            report.add("warning", "unreachable", f"{name} is eligible for no config of the grid",
+            report.add("warning", "unreachable", f"{name} is eligible for no config of the decision matrix",
                        str(ruleset.component(name).source))
     for (backend, rule, vendor), count in sorted(omitted.items()):
         report.add("warning", "priority.omits",
-                   f"{backend} is eligible on {vendor} in {count} grid configs but {rule} does not list it")
+                   f"{backend} is eligible on {vendor} in {count} matrix configs but {rule} does not list it")
     for message, count in sorted(problems.items()):
-        report.add("error", "coverage", f"{message} ({count} grid configs)")
+        report.add("error", "coverage", f"{message} ({count} matrix configs)")

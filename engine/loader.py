@@ -20,12 +20,9 @@ from moerules.quant import QuantDtype
 from moerules.resources import default_rules_dir
 from moerules.engine import fields as F
 from moerules.engine.expr import ExprError, parse, suggest
-from moerules.engine.rulefile import Constraint, PlanRule, PlanStage, RuleFile
+from moerules.engine.rulefile import MESSAGE_PLACEHOLDER, Constraint, PlanRule, PlanStage, RuleFile
 from moerules.engine.ruleset import Declared, Rule, RuleSet
 from moerules.engine.yamlsource import YamlDocument
-
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
-
 
 def load_rules(path: Union[str, Path, None] = None) -> RuleSet:
     """Load a folder of `*.yaml` rule files (or one file); None loads the shipped default rules."""
@@ -163,7 +160,7 @@ class _Checker:
 
     def _placeholders(self, item: Constraint, loc) -> None:
         known = set(F.config_fields()) | {"backend"}
-        for match in _PLACEHOLDER.finditer(item.message):
+        for match in MESSAGE_PLACEHOLDER.finditer(item.message):
             if match.group(1) not in known:
                 close = suggest(match.group(1), known)
                 self.fail(f"unknown placeholder {{{match.group(1)}}} in message", loc + ("message",), item.id,

@@ -15,12 +15,20 @@ from typing import Iterable, Iterator, Optional
 
 from moerules.activation import Activation
 from moerules.config import All2AllBackend, MoEConfig, Package, Routing
+from moerules.quant import QuantFamily
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
-from moerules.engine.grid import PLATFORMS, QUANTS
 
+PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
+             ("cuda", "sm_100"), ("cuda", "sm_110"), ("cuda", "sm_120"), ("rocm", "gfx942"), ("rocm", "gfx950"),
+             ("rocm", "gfx1200"), ("xpu", "xe_hpc"), ("cpu", "x86_64")]
+QUANTS = [{"family": f.value} for f in QuantFamily] + [
+    {"family": "fp8_w8a8", "weight_granularity": "channel"},
+    {"family": "fp8_w8a8", "weight_granularity": "block128"},
+    {"family": "fp8_w8a16", "weight_granularity": "block128"},
+]
 ACTIVATIONS = ["silu", "swigluoai"]
 ALIGNMENTS = {"aligned": dict(hidden_size=4096, intermediate_size=4096),
               "unaligned": dict(hidden_size=2880, intermediate_size=2880)}

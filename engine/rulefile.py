@@ -7,6 +7,7 @@ parsed after this structural validation, so both kinds of error carry file:line:
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Literal, Optional, Union
 
@@ -16,6 +17,8 @@ from moerules.config import Package
 from moerules.decision import ActivationFormat, QuantizedBy, ReasonCode
 
 _ID = r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"
+# `{field.path}` in a constraint message is filled in from the config (or `{backend}`).
+MESSAGE_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 

@@ -219,9 +219,6 @@ class Platform(_Record):
     def gfx12(self) -> bool:
         return self.vendor == Vendor.rocm and self.arch.startswith("gfx12")
 
-    def has(self, package: Package) -> bool:
-        return package in self.packages
-
 
 class Features(BaseModel):
     model_config = _FROZEN

@@ -36,7 +36,7 @@ def run_forward(layer: MoELayer, *, num_tokens: int, seed: int, device: Union[st
                           a13_scale=w.a13_scale)
     ref = moe_reference(prepared.hidden_q, weights=w, topk_ids=topk_ids, topk_weights=topk_weights,
                         a_scale=prepared.a_scale, activation=layer.experts.activation)
-    ref = pf.finalize(ref, topk_ids=topk_ids, topk_weights=topk_weights, hidden_size=layer.hidden_size)
+    ref = pf.finalize(ref, prepared=prepared, hidden_size=layer.hidden_size)
     denom = ref.norm().item()
     rel_err = (out.float() - ref).norm().item() / denom if denom else float((out.float() - ref).norm().item())
     return {"kernel_id": layer.kernel_id, "device": str(device), "num_tokens": num_tokens,

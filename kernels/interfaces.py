@@ -22,22 +22,29 @@ from .quantize import quantize_activation
 from .scheme import Scheme
 from .weights import MoEWeights
 
-# Activation formats: "standard" ([tokens, H], this issue); "batched" ([E, max_tokens, H]) comes with EP.
+# Activation formats: "standard" ([tokens, H] plus top-k ids) and "batched" ([E_local, max_tokens, H]
+# plus per-expert token counts), as the rules' `format` field names them.
 STANDARD = "standard"
+BATCHED = "batched"
 
 
 @dataclass
 class PreparedInput:
     """What `prepare` hands to the experts.
 
-    hidden_q: [T, H] in the quantised dtype, or in in_dtype when nothing is quantised or the
-    quantisation is deferred to the experts; a_scale: its scale (None when unquantised).
+    hidden_q: [T, H] (standard) or [E_local, max_tokens, H] (batched) in the quantised dtype, or in
+    in_dtype when nothing is quantised or the quantisation is deferred to the experts; a_scale: its
+    scale (None when unquantised). expert_num_tokens: int32 [E_local], the valid rows per expert
+    (batched format only). handle: whatever the dispatcher must remember between dispatch and
+    combine (split sizes, permutations); opaque to the experts.
     """
 
     hidden_q: torch.Tensor
     a_scale: Optional[torch.Tensor]
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+    expert_num_tokens: Optional[torch.Tensor] = None
+    handle: Optional[object] = None
 
 
 class PrepareFinalize(ABC):
@@ -61,9 +68,9 @@ class PrepareFinalize(ABC):
         ...
 
     @abstractmethod
-    def finalize(self, expert_out: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 hidden_size: int) -> torch.Tensor:
-        ...
+    def finalize(self, expert_out: torch.Tensor, *, prepared: PreparedInput, hidden_size: int) -> torch.Tensor:
+        """Expert output -> [T, hidden_size] on the rank that owns the tokens; `prepared` is what
+        `prepare` returned for this batch (topk ids/weights, dispatcher handle)."""
 
 
 class Experts(ABC):

@@ -76,7 +76,6 @@ class MoELayer:
         check_topk_dtypes(topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights)
         out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
                                  topk_weights=prepared.topk_weights, a_scale=prepared.a_scale)
-        return self.prepare_finalize.finalize(out, topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights,
-                                              hidden_size=self.hidden_size)
+        return self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
 
     __call__ = forward

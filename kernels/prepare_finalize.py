@@ -36,7 +36,6 @@ class LocalPrepareFinalize(PrepareFinalize):
         """Bring expert outputs back to the tokens' ranks; local: already there."""
         return expert_out
 
-    def finalize(self, expert_out: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 hidden_size: int) -> torch.Tensor:
+    def finalize(self, expert_out: torch.Tensor, *, prepared: PreparedInput, hidden_size: int) -> torch.Tensor:
         out = self.combine(expert_out)
         return out[:, :hidden_size] if out.shape[1] != hidden_size else out

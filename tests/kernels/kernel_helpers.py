@@ -38,7 +38,7 @@ def reference64(layer, x, ids, w) -> torch.Tensor:
     p = pf.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False, a13_scale=layer.weights.a13_scale)
     out = moe_reference(p.hidden_q, weights=layer.weights, topk_ids=ids, topk_weights=w, a_scale=p.a_scale,
                         activation=layer.experts.activation, compute_dtype=torch.float64)
-    return pf.finalize(out, topk_ids=ids, topk_weights=w, hidden_size=layer.hidden_size)
+    return pf.finalize(out, prepared=p, hidden_size=layer.hidden_size)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

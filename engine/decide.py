@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from moerules.config import MoEConfig
-from moerules.decision import (Decision, Outcome, Padding, QuantizedBy, QuantPlacement,
+from moerules.decision import (Decision, ExpertPlacement, Outcome, Padding, QuantizedBy, QuantPlacement,
                                ReasonCode, SelectedBy)
 from moerules.errors import BackendRejectedError, EngineError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
@@ -168,6 +168,7 @@ class Assembler:
             prepare_finalize=dispatcher, prepare_finalize_kernel=self.ruleset.dispatchers[dispatcher].item.kernel,
             activation_format=backend.format, monolithic=backend.monolithic,
             quant=self._quant(quant_rule, expects, placement), padding=self._padding(placement),
+            expert_placement=placement.get("expert_placement", (ExpertPlacement.contiguous, None))[0],
             selected_by=selected_by, fallback_rule=fallback, alternatives=tuple(alternatives),
             **self._common(evaluation))
 

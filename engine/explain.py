@@ -36,6 +36,7 @@ def explain_text(decision: Decision) -> str:
             f"dispatch {q.dispatch_dtype}, scale dim {q.scale_dim} x {q.scale_type_size} B  [{', '.join(q.rules)}]",
             f"padding:          hidden +{pad.hidden_pad} -> {pad.hidden_padded}, "
             f"intermediate/partition +{pad.intermediate_pad} -> {pad.intermediate_padded}",
+            f"experts on ranks: {decision.expert_placement.value} (ep_size {decision.config.parallel.ep_size})",
             "",
             "alternatives (eligible, in priority order): " + (", ".join(decision.alternatives) or "none"),
         ]

@@ -39,7 +39,7 @@ PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 
 PACKAGES = {"all": [p.value for p in Package], "triton": ["triton"]}
 COLUMNS = ["cell", "outcome", "backend", "alternatives", "prepare_finalize", "selected_by", "fallback_rule", "quantized_by",
            "expects_unquantized_inputs", "dispatch_dtype", "scale_dim", "weight_block", "hidden_pad",
-           "intermediate_pad", "failure_reason", "rules"]
+           "intermediate_pad", "expert_placement", "failure_reason", "rules"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,7 @@ def row(engine: Engine, cell: Cell) -> dict:
             "dispatch_dtype": q.dispatch_dtype if q else "", "scale_dim": str(q.scale_dim) if q else "",
             "weight_block": str(q.weight_block) if q else "", "hidden_pad": str(pad.hidden_pad) if pad else "",
             "intermediate_pad": str(pad.intermediate_pad) if pad else "",
+            "expert_placement": d.expert_placement.value if d.expert_placement else "",
             "failure_reason": d.failure_reason.value if d.failure_reason else "",
             "rules": " ".join(responsible_rules(engine, d))}
 

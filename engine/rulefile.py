@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moerules.config import Package
-from moerules.decision import ActivationFormat, QuantizedBy, ReasonCode
+from moerules.decision import ActivationFormat, ExpertPlacement, QuantizedBy, ReasonCode
 
 _ID = r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"
 # `{field.path}` in a constraint message is filled in from the config (or `{backend}`).
@@ -136,6 +136,8 @@ class PlanSet(BaseModel):
     round_up_hidden: Optional[int] = Field(None, ge=1)
     round_up_intermediate: Optional[int] = Field(None, ge=1)
     weight_block: Optional[int] = Field(None, ge=1, description="Scale block along K that weight conversion must use.")
+    expert_placement: Optional[ExpertPlacement] = Field(
+        None, description="How experts map onto EP ranks (default contiguous).")
     quantized_by: Optional[QuantizedBy] = None
     dispatch_dtype: Optional[str] = Field(
         None, description="'input' for the layer's in_dtype, or a config field such as quant.activation.dtype.")

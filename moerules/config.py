@@ -99,6 +99,7 @@ class All2AllBackend(str, Enum):
 
     allgather_reducescatter = "allgather_reducescatter"
     torch_all2all = "torch_all2all"               # ours, over torch.distributed
+    torch_all2all_batched = "torch_all2all_batched"  # ours, into per-expert batches
     deepep_high_throughput = "deepep_high_throughput"
     deepep_low_latency = "deepep_low_latency"
     mori = "mori"
@@ -107,7 +108,8 @@ class All2AllBackend(str, Enum):
 
 
 # Backends that hand experts a [E_local, max_tokens, K] batch instead of a token list.
-BATCHED_ALL2ALL = frozenset({All2AllBackend.deepep_low_latency, All2AllBackend.nixl_ep})
+BATCHED_ALL2ALL = frozenset({All2AllBackend.deepep_low_latency, All2AllBackend.nixl_ep,
+                             All2AllBackend.torch_all2all_batched})
 
 
 class Parallel(_Record):

@@ -57,6 +57,13 @@ class ActivationFormat(str, Enum):
     batched = "batched"
 
 
+class ExpertPlacement(str, Enum):
+    """How global experts map onto EP ranks: blocks of E/ranks, or expert e on rank e % ranks."""
+
+    contiguous = "contiguous"
+    round_robin = "round_robin"
+
+
 class QuantizedBy(str, Enum):
     none = "none"            # nothing to quantise: activations travel in the input dtype
     dispatcher = "dispatcher"  # prepare() quantises before the network / experts
@@ -127,6 +134,7 @@ class Decision(BaseModel):
     monolithic: Optional[bool] = None
     quant: Optional[QuantPlacement] = None
     padding: Optional[Padding] = None
+    expert_placement: Optional[ExpertPlacement] = None
     selected_by: Optional[SelectedBy] = None
     fallback_rule: Optional[str] = None
     requested: str = "auto"
@@ -145,7 +153,7 @@ class Decision(BaseModel):
         # a failure has a reason and no backend.
         if self.outcome == Outcome.selected:
             missing = [name for name in ("backend", "prepare_finalize", "activation_format", "quant",
-                                         "padding", "selected_by") if getattr(self, name) is None]
+                                         "padding", "expert_placement", "selected_by") if getattr(self, name) is None]
             if missing:
                 raise ValueError(f"selected decision lacks {', '.join(missing)}")
             if (self.selected_by == SelectedBy.fallback) != (self.fallback_rule is not None):

@@ -7,7 +7,7 @@ import pytest
 
 from moerules import decide
 from moerules.config import All2AllBackend
-from moerules.decision import Outcome, QuantizedBy, ReasonCode, SelectedBy
+from moerules.decision import ExpertPlacement, Outcome, QuantizedBy, ReasonCode, SelectedBy
 from moerules.errors import BackendRejectedError, EngineError
 
 from decision_helpers import config, cuda, rocm
@@ -127,6 +127,7 @@ def test_unquantized_mori_dispatch_uses_the_input_dtype_and_no_scales(rules_with
 EXPECTED_DISPATCHER = {
     All2AllBackend.allgather_reducescatter: "allgather_reducescatter",
     All2AllBackend.torch_all2all: "torch_all2all",
+    All2AllBackend.torch_all2all_batched: "torch_all2all_batched",
     All2AllBackend.deepep_high_throughput: "deepep_ht",
     All2AllBackend.deepep_low_latency: "deepep_ll",
     All2AllBackend.mori: "mori",
@@ -142,6 +143,19 @@ def test_ep_over_all2all_always_has_a_real_dispatcher(backend):
     cfg = config(platform=platform, parallel={"dp": 2, "expert_parallel": True, "all2all_backend": backend})
     decision = decide(cfg)
     assert decision.prepare_finalize == EXPECTED_DISPATCHER[backend]
+
+
+def test_batched_dispatch_places_experts_round_robin(rules_without):
+    batched = config(platform=cuda("sm_90"), parallel={"dp": 2, "expert_parallel": True,
+                                                       "all2all_backend": "torch_all2all_batched"})
+    decision = decide(batched)
+    assert (decision.backend, decision.prepare_finalize, decision.expert_placement) == (
+        "batched_triton", "torch_all2all_batched", ExpertPlacement.round_robin)
+    standard = config(platform=cuda("sm_90"), parallel={"dp": 2, "expert_parallel": True,
+                                                        "all2all_backend": "torch_all2all"})
+    assert decide(standard).expert_placement == ExpertPlacement.contiguous
+    assert decide(batched, rules_without("placement.round_robin_for_batched")).expert_placement == \
+        ExpertPlacement.contiguous
 
 
 def test_a_lost_dispatch_rule_is_an_error_never_a_silent_local_run(rules_without):

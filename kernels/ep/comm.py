@@ -15,6 +15,7 @@ The wire carries FP8 as raw bytes (gloo has no float8 type; NCCL treats bytes th
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
@@ -121,14 +122,15 @@ class Comm:
             raise CollectiveError(f"rank {self.rank}/{self.size}: {op} ({what}) refused: an earlier collective of "
                                   f"this group failed ({self._failure}); the group's state is unknown, re-create "
                                   "the process group (restart the ranks)")
+        began = time.monotonic()
         try:
             start().wait(timeout=timedelta(seconds=self.timeout_s))
         except (RuntimeError, dist.DistError) as error:
             cause = " ".join(str(error).split())[:300]
             self._failure = f"{op} ({what}): {cause}"
             raise CollectiveError(
-                f"rank {self.rank}/{self.size}: {op} of the MoE {what} did not complete within the "
-                f"{self.timeout_s:g} s collective timeout ({cause}). Another rank of the expert-parallel group "
+                f"rank {self.rank}/{self.size}: {op} of the MoE {what} failed after {time.monotonic() - began:.1f} s "
+                f"(collective timeout {self.timeout_s:g} s): {cause}. Another rank of the expert-parallel group "
                 f"failed, exited or never reached this collective: look for its error first. If the ranks are "
                 f"only slow (first-call compilation, a loaded machine), raise the timeout with ${TIMEOUT_ENV} "
                 "or build(..., timeout_s=...)") from error

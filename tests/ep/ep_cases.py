@@ -16,8 +16,9 @@ Test-only kernels, registered in the ranks only:
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,8 +38,6 @@ from moerules.kernels.registry import (ALL_CELLS, EXPERTS, PREPARE_FINALIZE, Exp
                                        _probe_reference)
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, quant_for_cell
-
-TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -60,13 +59,16 @@ class Case:
     route: str = "random"           # "rank0_experts": every token picks experts of rank 0 only
     seed: int = 0
     decision: Optional[str] = None  # a Decision's JSON: build through moerules.build instead of build_layer
+    placement_ranks: Optional[int] = None   # build-refusal cases: a placement for another group size
+    shard: bool = True                      # build-refusal cases: False hands every rank the global weights
+    timeout_s: float = 30.0                 # the collective timeout of the rank's layer
 
     @property
     def world(self) -> int:
         return len(self.tokens)
 
     def placement_obj(self) -> Placement:
-        return Placement(PlacementKind(self.placement), self.E, self.world)
+        return Placement(PlacementKind(self.placement), self.E, self.placement_ranks or self.world)
 
 
 def case_from_decision(decision: Decision, *, tokens: tuple, seed: int) -> Case:
@@ -117,13 +119,13 @@ def build_rank_layer(case: Case, rank: int):
         decision = Decision.model_validate_json(case.decision)
         from moerules.builder import placement_for
         shard = shard_weights(weights, placement_for(decision), rank, activation=Activation(case.activation))
-        return moerules.build(decision, shard, group=dist.group.WORLD, timeout_s=TIMEOUT_S)
+        return moerules.build(decision, shard, group=dist.group.WORLD, timeout_s=case.timeout_s)
     placement = case.placement_obj()
-    shard = shard_weights(weights, placement, rank, activation=Activation(case.activation))
+    shard = shard_weights(weights, placement, rank, activation=Activation(case.activation)) if case.shard else weights
     return build_layer(kernel_id=case.kernel, prepare_finalize_id=case.pf, quant=quant_for_cell(case.cell),
                        activation=Activation(case.activation), in_dtype=Dtype(case.dtype),
                        activation_format=PREPARE_FINALIZE[case.pf].activation_format, weights=shard, device="cpu",
-                       defer_input_quant=case.defer, group=dist.group.WORLD, placement=placement, timeout_s=TIMEOUT_S)
+                       defer_input_quant=case.defer, group=dist.group.WORLD, placement=placement, timeout_s=case.timeout_s)
 
 
 def ep_forward(case: Case) -> dict:
@@ -161,9 +163,12 @@ class count_quantizations:
             module.quantize_activation = quantize_activation
 
 
-def raise_or_forward(case: Case, failing_rank: int) -> dict:
-    """The failing rank raises before its forward; the others report the error they got and when."""
+def fail_or_forward(case: Case, failing_rank: int, how: str) -> dict:
+    """The failing rank raises ("raise") or exits ("exit") before its forward; the others report the
+    error they got and how long it took."""
     if dist.get_rank() == failing_rank:
+        if how == "exit":
+            os._exit(3)
         raise RuntimeError("injected failure on this rank before the MoE forward")
     start = time.monotonic()
     try:
@@ -264,6 +269,3 @@ class KeepLocalDispatcher(LocalPrepareFinalize):
     def combine(self, expert_out, *, prepared):
         return expert_out
 
-
-def with_tokens(case: Case, tokens: tuple) -> Case:
-    return replace(case, tokens=tokens)

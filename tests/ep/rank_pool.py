@@ -78,31 +78,28 @@ class RankPool:
 
     def run(self, fn, *args, wait_s: float = 120.0) -> list:
         """fn(*args) on every rank; the results in rank order, or RankFailed naming each failing rank."""
+        outcomes = self.outcomes(fn, *args, wait_s=wait_s)
+        missing = sorted(set(range(self.world)) - set(outcomes))
+        if missing:
+            raise AssertionError(f"ranks {missing} sent nothing within {wait_s} s (hung?)")
+        failures = {r: payload for r, (status, payload) in outcomes.items() if status == "error"}
+        if failures:
+            raise RankFailed(failures)
+        return [outcomes[r][1] for r in range(self.world)]
+
+    def outcomes(self, fn, *args, wait_s: float, answers: int = 0) -> dict[int, tuple[str, object]]:
+        """rank -> ("ok", value) or ("error", (type, message, traceback)) for the first `answers` ranks
+        (default all) that answered within wait_s each."""
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args))
-        return self.collect(wait_s)
-
-    def run_each(self, fn, per_rank_args: list[tuple], wait_s: float = 120.0) -> list:
-        """fn(*per_rank_args[r]) on rank r."""
-        for q, args in zip(self.tasks, per_rank_args):
-            q.put((fn.__module__, fn.__name__, args))
-        return self.collect(wait_s)
-
-    def collect(self, wait_s: float) -> list:
-        values, failures = {}, {}
-        for _ in range(self.world):
+        got = {}
+        for _ in range(answers or self.world):
             try:
                 rank, status, payload = self.results.get(timeout=wait_s)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(self.world)) - set(values) - set(failures))} sent "
-                                     f"nothing within {wait_s} s (hung?)") from None
-            if status == "ok":
-                values[rank] = loads(payload)
-            else:
-                failures[rank] = payload
-        if failures:
-            raise RankFailed(failures)
-        return [values[r] for r in range(self.world)]
+                break
+            got[rank] = (status, loads(payload) if status == "ok" else payload)
+        return got
 
     def close(self) -> None:
         for q in self.tasks:

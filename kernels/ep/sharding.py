@@ -30,7 +30,7 @@ def shard_weights(weights: MoEWeights, placement: Placement, rank: int, *,
                   activation: Optional[Activation] = None) -> MoEWeights:
     """This rank's MoEWeights. `activation` (the gate/up row layout) is needed for the tensor placement."""
     placement.check()
-    if weights.padding is not None:
+    if weights.padding not in (None, (0, 0)):
         raise PlacementError("these weights were already padded by a layer build; shard the unpadded global "
                              "weights and let each rank's build pad its shard")
     if weights.num_experts != placement.num_experts:

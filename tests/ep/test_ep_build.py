@@ -113,25 +113,36 @@ def _with_remote_slots(layer):
     return layer
 
 
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+# Triton on CPU runs in the interpreter, whose tl.dot is wrong for bf16: fp16 there, bf16 on a GPU.
+TRITON_DTYPE = Dtype.bf16 if GPU else Dtype.fp16
+# torch._grouped_mm: bf16 on CUDA (sm90+), torch's fallback on CPU.
+GROUPED_DTYPE = Dtype.bf16 if GPU else Dtype.fp32
+
+
 @pytest.mark.parametrize("kernel,cell,dtype", [
     ("torch.reference", "fp8_w8a8/channel/token", Dtype.bf16),
-    ("torch.grouped_mm", "unquantized", Dtype.fp32),
-    # Interpreter: fp16 (its tl.dot is wrong for bf16); a NaN-poisoned torch.empty catches unwritten rows.
-    ("triton.fused_moe", "unquantized", Dtype.fp16),
-    ("triton.fused_moe", "fp8_w8a8/channel/token", Dtype.fp16),
+    ("torch.grouped_mm", "unquantized", GROUPED_DTYPE),
+    # A NaN-poisoned torch.empty in the launcher catches rows the kernels never wrote.
+    ("triton.fused_moe", "unquantized", TRITON_DTYPE),
+    ("triton.fused_moe", "fp8_w8a8/channel/token", TRITON_DTYPE),
 ])
 def test_experts_give_remote_slots_zero(kernel, cell, dtype, monkeypatch):
     if kernel == "triton.fused_moe":
         _poison_triton_empty(monkeypatch)
     E, H, I = 4, 64, 32
-    w = weights(cell, E=E, H=H, I=I, dtype=dtype)
+    device = "cpu" if kernel == "torch.reference" else DEVICE
+    w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_for_cell(cell), in_dtype=dtype,
+                            has_bias=True, seed=0, device=device)
     layer = _with_remote_slots(build_layer(kernel_id=kernel, prepare_finalize_id="local", quant=quant_for_cell(cell),
                                            activation=Activation.silu, in_dtype=dtype, activation_format=STANDARD,
-                                           weights=w, device="cpu"))
+                                           weights=w, device=device))
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(9, H, generator=g).to(TORCH_DTYPE[dtype])
+    x = torch.randn(9, H, generator=g).to(TORCH_DTYPE[dtype]).to(device)
     ids, tw = fused_topk(torch.randn(9, E, generator=g), top_k=2, renormalize=True)
     remote = torch.rand(9, 2, generator=g) < 0.4
+    ids, tw, remote = ids.to(device), tw.to(device), remote.to(device)
     remote[0] = True                                       # a token with no local expert at all
     ids_with_remote = torch.where(remote, -1, ids)
     p = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
@@ -145,7 +156,7 @@ def test_experts_give_remote_slots_zero(kernel, cell, dtype, monkeypatch):
     assert torch.isfinite(out).all(), "a remote slot's unwritten row reached the output"
     assert not out[0].any(), "a token whose experts are all remote must get exactly zero"
     err = ((out.double() - expected).norm() / expected.norm()).item()
-    assert err < (1e-5 if dtype == Dtype.fp32 else 2e-2), err
+    assert err < (1e-5 if dtype == Dtype.fp32 else 2e-2), err   # fp16/bf16 output rounding
 
 
 def _poison_triton_empty(monkeypatch):

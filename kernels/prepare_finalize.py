@@ -47,7 +47,8 @@ class LocalPrepareFinalize(PrepareFinalize):
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         """Send tokens to the ranks owning their experts; local: nothing to send, at most renumber."""
         if self.remote_expert_ids:
-            prepared.topk_ids = map_to_local(prepared.topk_ids, self.routing_tables(prepared.topk_ids.device).expert_map)
+            tables = self.routing_tables(prepared.topk_ids.device)
+            prepared.topk_ids = map_to_local(prepared.topk_ids, tables.expert_map)
         return prepared
 
     def combine(self, expert_out: torch.Tensor, *, prepared: PreparedInput) -> torch.Tensor:

@@ -66,7 +66,8 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
 
 
 def ranks_of(decision: Decision) -> int:
-    """Ranks one layer of this decision spans: the EP group under EP, else the MoE tensor-parallel group."""
+    """Ranks one layer of this decision spans: tp * dp, the EP group under EP, else the group the experts
+    are tensor-sharded over (both flatten TP across DP)."""
     parallel = decision.config.parallel
     return parallel.tp * parallel.dp
 
@@ -102,12 +103,15 @@ def _parallel_checks(decision: Decision, weights, group, placement):
     expected = placement_for(decision)
     if placement is None:
         placement = expected
-    elif placement.shards_experts != expected.shards_experts or placement.num_experts != expected.num_experts:
-        raise KernelUnavailableError(f"placement {placement.kind.value} of {placement.num_experts} experts does not "
-                                     f"fit this decision ({where}, {config.model.num_experts} experts): "
-                                     f"use {expected.kind.value} placement")
-    if weights.intermediate != config.intermediate_per_partition and weights.padding is None:
-        raise KernelUnavailableError(f"the weights' intermediate size is {weights.intermediate} but each rank of this "
+    elif (placement.shards_experts, placement.num_experts, placement.num_ranks) != (
+            expected.shards_experts, expected.num_experts, expected.num_ranks):
+        raise KernelUnavailableError(f"placement {placement.kind.value} of {placement.num_experts} experts over "
+                                     f"{placement.num_ranks} ranks does not fit this decision ({where}, "
+                                     f"{config.model.num_experts} experts over {ranks} ranks): use "
+                                     f"placement_for(decision) ({expected.kind.value})")
+    intermediate = weights.intermediate - (weights.padding[1] if weights.padding else 0)
+    if intermediate != config.intermediate_per_partition:
+        raise KernelUnavailableError(f"the weights' intermediate size is {intermediate} but each rank of this "
                                      f"decision holds {config.intermediate_per_partition}; pass this rank's shard "
                                      "(moerules.kernels.ep.shard_weights)")
     return placement

@@ -23,9 +23,10 @@ def connect(*, pf_id: str, pf_class: type[PrepareFinalize], activation_format: s
     """The Comm the dispatcher runs over (None on one device), once group, placement and weights agree."""
     if group is None and placement is None:
         if pf_class.needs_group:
-            raise KernelBuildError(pf_id, "this dispatcher exchanges tokens between ranks and needs a torch.distributed "
-                                          "process group: pass group= (the expert-parallel ranks) and placement= to "
-                                          "build, with each rank's shard_weights; a single device decides 'local'")
+            raise KernelBuildError(pf_id, "this dispatcher exchanges tokens between ranks and needs a "
+                                          "torch.distributed process group: pass group= (the expert-parallel ranks) "
+                                          "and placement= to build, with each rank's shard_weights; a single device "
+                                          "decides 'local'")
         return None
     if group is None:
         raise KernelBuildError(pf_id, f"placement= shards the experts over {placement.num_ranks} ranks but no group= "

@@ -125,7 +125,8 @@ def build_rank_layer(case: Case, rank: int):
     return build_layer(kernel_id=case.kernel, prepare_finalize_id=case.pf, quant=quant_for_cell(case.cell),
                        activation=Activation(case.activation), in_dtype=Dtype(case.dtype),
                        activation_format=PREPARE_FINALIZE[case.pf].activation_format, weights=shard, device="cpu",
-                       defer_input_quant=case.defer, group=dist.group.WORLD, placement=placement, timeout_s=case.timeout_s)
+                       defer_input_quant=case.defer, group=dist.group.WORLD, placement=placement,
+                       timeout_s=case.timeout_s)
 
 
 def ep_forward(case: Case) -> dict:

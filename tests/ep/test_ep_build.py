@@ -215,6 +215,14 @@ def test_moerules_build_of_a_multi_rank_decision_needs_the_group():
     assert local.prepare_finalize_kernel == "local"
     with pytest.raises(KernelUnavailableError, match="this decision spans 2 ranks"):
         build(local, weights(E=4, H=64, I=128, bias=False))
+    with pytest.raises(KernelUnavailableError, match=re.escape(
+            "placement contiguous of 8 experts over 2 ranks does not fit this decision (tp=2, dp=1, "
+            "expert_parallel=False, dispatcher local, 8 experts over 2 ranks): use placement_for(decision) (tensor)")):
+        build(_ep_decision(tp=2), weights(E=4, H=64, I=64, bias=False), group=object(),
+              placement=Placement.contiguous(8, 2))
+    with pytest.raises(KernelUnavailableError, match=re.escape(
+            "the weights' intermediate size is 128 but each rank of this decision holds 64; pass this rank's shard")):
+        build(_ep_decision(tp=2), weights(E=8, H=64, I=128, bias=False), group=object())
     single = _ep_decision()
     with pytest.raises(KernelUnavailableError, match=r"this decision is for one device"):
         build(single, weights(E=8, H=64, I=128, bias=False), group=object())

@@ -10,7 +10,7 @@ from moerules.activation import Activation, Dtype
 from moerules.quant import QuantConfig
 
 from .activations import is_interleaved
-from .ep.setup import connect
+from .ep.connect import connect
 from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
 from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class

@@ -5,7 +5,7 @@
 Every rank decides the config (decisions are deterministic, so all ranks agree), shards the
 seeded global weights for the decision's placement, and runs forwards on its own tokens
 (ranks of one data-parallel replica, i.e. the TP ranks of one DP index, share their tokens).
-Rank 0 gathers the outputs, recomputes every replica's tokens on one device with the global
+Rank 0 gathers every rank's tokens and outputs, recomputes the tokens on one device with the global
 weights, and prints the decision, the error of the EP output against that single-device run,
 and the median forward time. Exit code 0 when the error is within the tolerance, 1 otherwise,
 2 for bad input. The process group is gloo on CPUs and NCCL on GPUs (one GPU per rank).
@@ -30,8 +30,8 @@ QUANTIZED_TOLERANCE = 8e-2
 
 def make_parser() -> argparse.ArgumentParser:
     from moerules.engine.cli import _config_arguments
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.launch",
-                                     description=__doc__.split("\n\n")[0] + ". " + __doc__.split("\n\n")[2])
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_arguments(parser)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per data-parallel replica (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from moerules import decide
 from moerules.config import MoEConfig
-from moerules.decision import Outcome
+from moerules.decision import Decision, Outcome
 from moerules.kernels.activations import GATED_ACTIVATIONS
 from moerules.kernels.scheme import Scheme, scheme_cells
 from moerules.quant import Granularity
@@ -141,14 +141,18 @@ FP8_DISPATCH = {
 }
 
 
-@pytest.mark.parametrize("pf,placement,kernel", [("all2all", "contiguous", "torch.reference"),
-                                                 ("allgather_reducescatter", "contiguous", "torch.reference"),
-                                                 ("all2all_batched", "round_robin", "test.batched64")])
-@pytest.mark.parametrize("spec", FP8_DISPATCH.values(), ids=FP8_DISPATCH.keys())
+EXCHANGES = {"all2all": ("all2all", "contiguous", "torch.reference"),
+             "agrs": ("allgather_reducescatter", "contiguous", "torch.reference"),
+             "batched": ("all2all_batched", "round_robin", "test.batched64")}
+# The float64 batched stand-in scales its intermediate per expert, so per-tensor intermediate scales
+# (one over every slot on one device) are out of its reach.
+WIRE_CASES = {f"{mode} / {exchange}": (spec, *EXCHANGES[exchange]) for mode, spec in FP8_DISPATCH.items()
+              for exchange in EXCHANGES if not (exchange == "batched" and spec[0].cell == TENSOR_FP8)}
+
+
+@pytest.mark.parametrize("spec,pf,placement,kernel", WIRE_CASES.values(), ids=WIRE_CASES.keys())
 def test_dispatch_dtype_scales_and_quantise_once(pool2, spec, pf, placement, kernel):
     case, wire_dtype, scale_cols, quantized_in = spec
-    if kernel == "test.batched64" and case.cell == TENSOR_FP8:
-        pytest.skip("the float64 stand-in scales its intermediate per expert, not over every slot")
     case = replace(case, pf=pf, placement=placement, kernel=kernel)
     for rank, result in enumerate(check_equal(pool2, case)):
         op, _, dtype, shape = tokens_on_wire(result)
@@ -244,13 +248,36 @@ _FEW = settings(max_examples=8, derandomize=True, deadline=None, database=None,
                                        HealthCheck.function_scoped_fixture])
 
 
+WIRE_DTYPE = {"fp8_e4m3": "float8_e4m3fn", "int8": "int8", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def check_plan_on_the_wire(case: Case, results: list) -> None:
+    """What crossed the wire is what the decision's quantisation plan says."""
+    if case.pf not in ("all2all", "allgather_reducescatter"):
+        return
+    plan = Decision.model_validate_json(case.decision).quant
+    granularity = scheme_cells()[case.cell].act_granularity
+    for result in results:
+        _, _, dtype, shape = tokens_on_wire(result)
+        assert dtype == WIRE_DTYPE[plan.dispatch_dtype], (plan, result["wire"])
+        scales = [w[3] for w in scales_on_wire(result)]
+        if plan.scale_dim == 0 or granularity == Granularity.tensor:   # a per-tensor scale is agreed on, not sent
+            assert scales == [], (plan, result["wire"])
+        elif granularity == Granularity.token:
+            assert plan.scale_dim == 1 and scales == [(shape[0],)], (plan, result["wire"])
+        else:
+            assert scales == [(shape[0], plan.scale_dim)], (plan, result["wire"])
+
+
 @_FEW
 @given(ep_decisions(2))
 def test_drawn_decisions_two_ranks(pool2, drawn):
-    check_equal(pool2, decided_case(drawn))
+    case = decided_case(drawn)
+    check_plan_on_the_wire(case, check_equal(pool2, case))
 
 
 @settings(_FEW, max_examples=4)
 @given(ep_decisions(4))
 def test_drawn_decisions_four_ranks(pool4, drawn):
-    check_equal(pool4, decided_case(drawn))
+    case = decided_case(drawn)
+    check_plan_on_the_wire(case, check_equal(pool4, case))

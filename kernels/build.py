@@ -10,6 +10,7 @@ from moerules.activation import Activation, Dtype
 from moerules.quant import QuantConfig
 
 from .activations import is_interleaved
+from .ep.connect import connect
 from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
 from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
@@ -20,11 +21,12 @@ from .weights import MoEWeights, pad_weights
 def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig, activation: Activation,
                 in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
                 weights: MoEWeights, device: Union[str, torch.device], routing: Optional[RoutingConfig] = None,
-                defer_input_quant: bool = False) -> MoELayer:
+                defer_input_quant: bool = False, group=None, placement=None,
+                timeout_s: Optional[float] = None) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference").
-    prepare_finalize_id: "local".
+    prepare_finalize_id: "local", "allgather_reducescatter", "all2all" or "all2all_batched".
     quant / activation / in_dtype: the scheme, activation and compute dtype; `weights` must already
         be in that scheme (see `make_random_weights` / `quantize_weights`).
     activation_format: "standard" (or "batched", which no registered kernel implements yet).
@@ -32,6 +34,10 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         inputs are padded and outputs cut back to the logical hidden size).
     routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
     defer_input_quant: the dispatcher ships unquantised activations and the experts quantise them.
+    group / placement: expert parallelism (kernels/ep): the torch.distributed process group and the
+        `Placement` of the experts over its ranks; `weights` are then this rank's shard
+        (`shard_weights`). Both or neither; dispatchers that exchange tokens require them.
+    timeout_s: bound on every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
     """
     spec = EXPERTS.get(kernel_id)
     if spec is None:
@@ -69,14 +75,17 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     reason = spec.probe(scheme, in_dtype, device, weights)
     if reason:
         raise KernelBuildError(kernel_id, reason)
+    pf_class = prepare_finalize_class(prepare_finalize_id)
+    comm = connect(pf_id=prepare_finalize_id, pf_class=pf_class, activation_format=activation_format, group=group,
+                   placement=placement, weights=weights, timeout_s=timeout_s)
     logical_hidden = weights.hidden - (weights.padding[0] if weights.padding else 0)
     try:
         pad_weights(weights, hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
                     interleaved=is_interleaved(activation))
     except ValueError as exc:
         raise KernelBuildError(kernel_id, str(exc)) from None
-    pf = prepare_finalize_class(prepare_finalize_id)(scheme=scheme, hidden_pad=hidden_pad,
-                                                     quantizes_inputs=not defer_input_quant)
+    pf = pf_class(scheme=scheme, hidden_pad=hidden_pad, quantizes_inputs=not defer_input_quant, comm=comm,
+                  placement=placement)
     experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
-                    routing=routing)
+                    routing=routing, num_experts=placement.num_experts if placement else weights.num_experts)

@@ -36,22 +36,33 @@ class GroupedMMExperts(Experts):
         if T == 0:
             return torch.empty(0, H, dtype=out_dtype, device=x.device)
         flat = topk_ids.reshape(-1)
+        # Under EP, id -1 (expert on another rank) becomes E: those rows sort after every group, the
+        # grouped GEMMs leave them unwritten, and `valid` zeroes them before they can reach a scale or the sum.
+        remote = self.prepare_finalize.remote_expert_ids
+        if remote:
+            flat = torch.where(flat >= 0, flat, E)
         order = torch.argsort(flat, stable=True)
         # scatter_add, not bincount: bincount reads the max back to the host, which breaks graph capture.
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat.long(), torch.ones_like(
-            flat, dtype=torch.int64))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        counts = torch.zeros(E + remote, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+        offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
         tokens = order // k
         expert_of_row = flat[order].long()
+        valid = (expert_of_row < E)[:, None] if remote else None
+        expert_of_row = expert_of_row.clamp(max=E - 1) if remote else expert_of_row
         h = self._gemm(x[tokens], None if a_scale is None else a_scale[tokens], weights.w13, weights.w13_scale,
                        offs, out_dtype)
         if weights.has_bias:
             h = h + weights.w13_bias[expert_of_row]
+        if remote:
+            h = torch.where(valid, h, 0)
         inter, s2 = self.quantize_gemm_input(apply_activation(h, self.activation), static_scale=weights.a2_scale)
         y = self._gemm(inter, s2, weights.w2, weights.w2_scale, offs, out_dtype)
         if weights.has_bias:
             y = y + weights.w2_bias[expert_of_row]
         y = y.float() * topk_weights.reshape(-1)[order, None]
+        if remote:
+            y = torch.where(valid, y, 0)
         return torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, y).to(out_dtype)
 
     def _gemm(self, a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor,

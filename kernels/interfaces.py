@@ -56,11 +56,25 @@ class PrepareFinalize(ABC):
     """
 
     activation_format: ClassVar[str]
+    # Token-exchanging dispatchers cannot run without a process group; some route by owner rank
+    # and so need whole experts per rank (not the tensor placement).
+    needs_group: ClassVar[bool] = False
+    needs_expert_placement: ClassVar[bool] = False
 
-    def __init__(self, *, scheme: Scheme, hidden_pad: int = 0, quantizes_inputs: bool = True):
+    def __init__(self, *, scheme: Scheme, hidden_pad: int = 0, quantizes_inputs: bool = True,
+                 comm=None, placement=None):
         self.scheme = scheme
         self.hidden_pad = hidden_pad
         self.quantizes_inputs = quantizes_inputs
+        # Expert parallelism (kernels/ep): the process group and where the experts live; None on one device.
+        self.comm = comm
+        self.placement = placement
+
+    @property
+    def remote_expert_ids(self) -> bool:
+        """True when prepare may hand the experts topk ids of -1: slots whose expert is on another
+        rank, or padding rows. The experts must give those slots exactly zero output."""
+        return False
 
     @abstractmethod
     def prepare(self, x: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -27,12 +27,14 @@ class RoutingConfig:
 
 class MoELayer:
     def __init__(self, *, prepare_finalize: PrepareFinalize, experts: Experts, weights: MoEWeights,
-                 hidden_size: int, routing: Optional[RoutingConfig] = None):
+                 hidden_size: int, routing: Optional[RoutingConfig] = None, num_experts: Optional[int] = None):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.weights = weights
         self.hidden_size = hidden_size      # logical (unpadded) hidden size of inputs and outputs
         self.routing = routing
+        # Global experts, which router logits and topk ids refer to; under EP `weights` hold only this rank's.
+        self.num_experts = num_experts if num_experts is not None else weights.num_experts
         experts.bind(prepare_finalize)
 
     @property
@@ -59,15 +61,15 @@ class MoELayer:
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
                 raise ValueError("give router_logits or topk_ids/topk_weights, not both")
-            if router_logits.shape != (x.shape[0], self.weights.num_experts):
-                raise ValueError(f"router_logits must be [{x.shape[0]}, {self.weights.num_experts}], "
+            if router_logits.shape != (x.shape[0], self.num_experts):
+                raise ValueError(f"router_logits must be [{x.shape[0]}, {self.num_experts}], "
                                  f"got {tuple(router_logits.shape)}")
             topk_ids, topk_weights = self.route(router_logits)
         elif topk_ids is None or topk_weights is None:
             raise ValueError("forward needs router_logits, or both topk_ids and topk_weights")
         else:
             topk_ids, topk_weights = validate_topk(topk_ids=topk_ids, topk_weights=topk_weights,
-                                                   num_tokens=x.shape[0], num_experts=self.weights.num_experts)
+                                                   num_tokens=x.shape[0], num_experts=self.num_experts)
         prepared = self.prepare_finalize.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights,
                                                  defer_input_quant=self.experts.expects_unquantized_inputs,
                                                  a13_scale=self.weights.a13_scale)

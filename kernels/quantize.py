@@ -47,6 +47,11 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.float() / qmax(dtype)).clamp_min(_MIN_SCALE)
 
 
+def tensor_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [1] dynamic per-tensor scale for an amax found elsewhere (e.g. agreed over EP ranks)."""
+    return _scale_from_amax(amax, dtype).reshape(1)
+
+
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x.shape[-1]) % multiple
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
@@ -88,7 +93,7 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
         return cast_saturated(xf / scale[:, None], dtype), scale
     groups = _group_view(xf)
     scale = _scale_from_amax(groups.abs().amax(dim=-1), dtype)
-    q = cast_saturated(groups / scale[..., None], dtype).reshape(x.shape[0], -1)[:, :x.shape[1]]
+    q = cast_saturated(groups / scale[..., None], dtype).flatten(-2)[:, :x.shape[1]]
     return q.contiguous(), scale
 
 
@@ -98,7 +103,7 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, *, granularity: 
         return qf * scale.double().reshape(())
     if granularity == G.token:
         return qf * scale.double()[:, None]
-    return (_group_view(qf) * scale.double()[..., None]).reshape(q.shape[0], -1)[:, :q.shape[1]]
+    return (_group_view(qf) * scale.double()[..., None]).flatten(-2)[:, :q.shape[1]]
 
 
 def quantize_weight(w: torch.Tensor, *, dtype: torch.dtype,

@@ -40,10 +40,12 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
         x = hidden_q.to(compute_dtype)
     flat_ids = topk_ids.reshape(-1).long()
     slot_token = torch.arange(T * k, device=x.device) // k
-    experts = flat_ids.unique().tolist()
+    # Id -1 marks a slot whose expert is on another rank (or a padding row): it contributes nothing.
+    experts = [e for e in flat_ids.unique().tolist() if e >= 0]
     slots_of = {e: (flat_ids == e).nonzero().squeeze(1) for e in experts}
 
-    inter = torch.empty(T * k, weights.intermediate, dtype=in_dtype, device=x.device)
+    # Zeros, so -1 slots are neutral for the intermediate's activation scales.
+    inter = torch.zeros(T * k, weights.intermediate, dtype=in_dtype, device=x.device)
     for e in experts:
         slots = slots_of[e]
         h = x[slot_token[slots]] @ _expert_weight(weights.w13, weights.w13_scale, e, scheme, compute_dtype).T

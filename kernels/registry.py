@@ -18,7 +18,7 @@ import torch
 from moerules.activation import Activation, Dtype
 
 from .activations import GATED_ACTIVATIONS
-from .interfaces import STANDARD, Experts, PrepareFinalize
+from .interfaces import BATCHED, STANDARD, Experts, PrepareFinalize
 from .scheme import Scheme, scheme_cells
 from .weights import MoEWeights
 
@@ -111,7 +111,14 @@ EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
 
 PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
     PrepareFinalizeSpec("local", ".prepare_finalize:LocalPrepareFinalize", STANDARD,
-                        "single rank, no communication"),
+                        "no token exchange; with a process group (same tokens on every rank) all-reduces the "
+                        "ranks' partial outputs"),
+    PrepareFinalizeSpec("allgather_reducescatter", ".ep.allgather:AllGatherReduceScatter", STANDARD,
+                        "all-gather tokens over the group, reduce-scatter the partial outputs"),
+    PrepareFinalizeSpec("all2all", ".ep.all2all:All2AllPrepareFinalize", STANDARD,
+                        "all_to_all_single to the ranks owning each token's experts and back"),
+    PrepareFinalizeSpec("all2all_batched", ".ep.all2all_batched:BatchedAll2AllPrepareFinalize", BATCHED,
+                        "the all2all exchange delivering [E_local, max_tokens, H] per-expert batches"),
 ]}
 
 

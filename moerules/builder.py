@@ -23,11 +23,16 @@ def routing_for(decision: Decision):
     return None
 
 
-def build(decision: Decision, weights, *, device=None, routing=None):
+def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None):
     """A runnable MoE layer (prepare -> experts -> finalize) for a selected decision.
 
     `weights` are `moerules.kernels.MoEWeights` in the decision's quant scheme (see
     `make_random_weights`); they are padded in place, once, as the decision's padding says.
+
+    A decision for several ranks (tp * dp > 1) needs `group`, the torch.distributed process group
+    of those ranks, and `weights` must be this rank's shard:
+    `shard_weights(global_weights, placement, rank)`. `placement` defaults to `placement_for(decision)`.
+    `timeout_s` bounds every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
@@ -45,6 +50,7 @@ def build(decision: Decision, weights, *, device=None, routing=None):
         raise KernelUnavailableError(f"the kernels need torch (and triton on GPUs): {error}; "
                                      "pip install 'moerules[kernels]'") from None
     config = decision.config
+    placement = _parallel_checks(decision, weights, group, placement)
     try:
         return build_layer(kernel_id=decision.kernel, prepare_finalize_id=decision.prepare_finalize_kernel,
                            quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
@@ -52,10 +58,63 @@ def build(decision: Decision, weights, *, device=None, routing=None):
                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
                            weights=weights, device=device if device is not None else weights.device,
                            routing=routing if routing is not None else routing_for(decision),
-                           defer_input_quant=decision.quant.defer_input_quant)
+                           defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
+                           timeout_s=timeout_s)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None
+
+
+def ranks_of(decision: Decision) -> int:
+    """Ranks one layer of this decision spans: tp * dp, the EP group under EP, else the group the experts
+    are tensor-sharded over (both flatten TP across DP)."""
+    parallel = decision.config.parallel
+    return parallel.tp * parallel.dp
+
+
+def placement_for(decision: Decision):
+    """Where the experts live over the decision's ranks (None for one device): whole experts under EP,
+    round robin where the activation format needs it; otherwise a slice of every expert's intermediate size."""
+    from moerules.kernels.ep import Placement, PlacementKind, required_expert_placement
+    ranks = ranks_of(decision)
+    if ranks == 1:
+        return None
+    if not decision.config.parallel.use_ep:
+        return Placement.tensor(decision.config.model.num_experts, ranks)
+    kind = required_expert_placement(activation_format=decision.activation_format.value) or PlacementKind.contiguous
+    return Placement(kind, decision.config.model.num_experts, ranks)
+
+
+def _parallel_checks(decision: Decision, weights, group, placement):
+    """The placement to build with, once the decision, the group and this rank's weights agree."""
+    config, ranks = decision.config, ranks_of(decision)
+    where = (f"tp={config.parallel.tp}, dp={config.parallel.dp}, expert_parallel={config.parallel.expert_parallel}, "
+             f"dispatcher {decision.prepare_finalize}")
+    if ranks == 1:
+        if group is not None or placement is not None:
+            raise KernelUnavailableError(f"this decision is for one device ({where}); decide with the parallel "
+                                         "config the group runs (tp, dp, expert_parallel) to build over a group")
+        return None
+    if group is None:
+        raise KernelUnavailableError(
+            f"this decision spans {ranks} ranks ({where}): pass group= (the torch.distributed process group of those "
+            f"{ranks} ranks) and this rank's weight shard (moerules.kernels.ep.shard_weights). Built on one device it "
+            "would compute only this rank's share of the experts")
+    expected = placement_for(decision)
+    if placement is None:
+        placement = expected
+    elif (placement.shards_experts, placement.num_experts, placement.num_ranks) != (
+            expected.shards_experts, expected.num_experts, expected.num_ranks):
+        raise KernelUnavailableError(f"placement {placement.kind.value} of {placement.num_experts} experts over "
+                                     f"{placement.num_ranks} ranks does not fit this decision ({where}, "
+                                     f"{config.model.num_experts} experts over {ranks} ranks): use "
+                                     f"placement_for(decision) ({expected.kind.value})")
+    intermediate = weights.intermediate - (weights.padding[1] if weights.padding else 0)
+    if intermediate != config.intermediate_per_partition:
+        raise KernelUnavailableError(f"the weights' intermediate size is {intermediate} but each rank of this "
+                                     f"decision holds {config.intermediate_per_partition}; pass this rank's shard "
+                                     "(moerules.kernels.ep.shard_weights)")
+    return placement
 
 
 def default_device(requested: Optional[str]) -> str:

@@ -70,7 +70,7 @@ def quants(family: Optional[str] = None):
 
 def models(sizes: Optional[st.SearchStrategy[int]] = None):
     """A model shape; hidden and intermediate sizes from `sizes` (default: near 256-boundaries)."""
-    sizes = sizes or near_boundary(256, 32)
+    sizes = near_boundary(256, 32) if sizes is None else sizes
     return st.integers(1, 512).flatmap(lambda experts: st.fixed_dictionaries({
         "num_experts": st.just(experts), "top_k": st.integers(1, min(experts, 16)),
         "hidden_size": sizes, "intermediate_size": sizes,

@@ -21,4 +21,5 @@ class TritonExperts(Experts):
         x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights)
         return fused_moe(x, a_scale=a_scale, weights=weights, topk_ids=topk_ids, topk_weights=topk_weights,
                          activation=self.activation, out_dtype=TORCH_DTYPE[weights.in_dtype],
-                         quantize_intermediate=lambda t: self.quantize_gemm_input(t, static_scale=weights.a2_scale))
+                         quantize_intermediate=lambda t: self.quantize_gemm_input(t, static_scale=weights.a2_scale),
+                         remote_slots=self.prepare_finalize.remote_expert_ids)

@@ -47,12 +47,17 @@ def _launch_kwargs(g: GemmConfig) -> dict:
 def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, activation: Activation,
               quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
-              out_dtype: torch.dtype, config: Optional[MoEConfig] = None) -> torch.Tensor:
+              out_dtype: torch.dtype, config: Optional[MoEConfig] = None,
+              remote_slots: bool = False) -> torch.Tensor:
     """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
 
     `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8).
     `config` overrides the file/heuristic lookup (the tuner uses it).
+    `remote_slots`: topk_ids may hold -1 (expert on another rank under EP). moe_align drops
+    those slots, so the kernels never write their rows; the buffers then start zeroed so the
+    rows are neutral for the intermediate's scales and the top-k sum. Off EP they stay empty.
     """
+    alloc = torch.zeros if remote_slots else torch.empty
     scheme = weights.scheme
     T, k = topk_ids.shape
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
@@ -66,7 +71,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     bias13 = weights.w13_bias if weights.has_bias else dummy
     bias2 = weights.w2_bias if weights.has_bias else dummy
 
-    inter = torch.empty(T * k, I, dtype=out_dtype, device=x_q.device)
+    inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
     s13_e, s13_n = _scale_strides(weights.w13_scale)
     interleaved = is_interleaved(activation)
     g1 = cfg.gemm1
@@ -81,7 +86,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         **flags, **_launch_kwargs(g1))
 
     inter_q, inter_scale = quantize_intermediate(inter)
-    out = torch.empty(T * k, H, dtype=out_dtype, device=x_q.device)
+    out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
     s2_e, s2_n = _scale_strides(weights.w2_scale)
     g2 = cfg.gemm2
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g2.BLOCK_N),)](

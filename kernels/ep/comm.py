@@ -1,0 +1,171 @@
+"""`Comm`: the collectives of expert parallelism over a torch.distributed group, each one bounded.
+
+Every collective is issued asynchronously and waited on with a timeout, so a peer that
+raised, died or never reached the same collective makes this rank fail with a
+`CollectiveError` (this rank, the collective, the timeout, the fix) instead of hanging.
+gloo honours the wait timeout directly; on NCCL a timed wait blocks the host until the
+collective completes or the timeout passes (torch's `Work.wait(timeout)` contract), which
+costs a host sync per collective; the token exchanges sync on their split sizes anyway.
+After one failure the group is in an unknown state, so every later call fails at once.
+
+The wire carries FP8 as raw bytes (gloo has no float8 type; NCCL treats bytes the same), and
+`trace`, when set to a list, records what each collective moved (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_ENV = "MOERULES_EP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+_NCCL_WATCHDOG_MARGIN_S = 5.0
+_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the expert-parallel group failed or timed out on this rank."""
+
+
+def resolve_timeout(timeout_s: Optional[float] = None) -> float:
+    """The collective timeout in seconds: the argument, else $MOERULES_EP_TIMEOUT_S, else 300."""
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        try:
+            timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, got {timeout_s}")
+    return float(timeout_s)
+
+
+@dataclass(frozen=True)
+class WireRecord:
+    """One collective as this rank saw it: `bytes_out` is what it sent to other ranks."""
+
+    op: str
+    what: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bytes_out: int
+
+
+class Comm:
+    def __init__(self, group=None, *, timeout_s: Optional[float] = None):
+        if not dist.is_initialized():
+            raise CollectiveError("torch.distributed is not initialised; call torch.distributed.init_process_group "
+                                  "(or moerules.kernels.ep.init_distributed) on every rank before building")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.trace: Optional[list[WireRecord]] = None
+        self._failure: Optional[str] = None
+
+    # -- collectives ------------------------------------------------------------------------
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """All-to-all of one int64 count per peer; returns what every peer will send here."""
+        recv = torch.empty_like(send_counts)
+        self._run("all_to_all_single", "counts", lambda: dist.all_to_all_single(
+            recv, send_counts, group=self.group, async_op=True))
+        return recv.tolist()
+
+    def all_to_all(self, x: torch.Tensor, *, send_counts: list[int], recv_counts: list[int],
+                   what: str) -> torch.Tensor:
+        """Rows of x, grouped by destination rank (send_counts rows each) -> rows from every peer."""
+        out = torch.empty((sum(recv_counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._record("all_to_all_single", what, x, (sum(send_counts) - send_counts[self.rank]) * _row_bytes(x))
+        self._run("all_to_all_single", what, lambda: dist.all_to_all_single(
+            _wire(out), _wire(x.contiguous()), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+            group=self.group, async_op=True))
+        return out
+
+    def gather_counts(self, count: int, device: torch.device) -> list[int]:
+        """Every rank's `count` (e.g. its number of tokens), in rank order."""
+        return self.all_gather(torch.tensor([count], dtype=torch.int64, device=device), what="counts").tolist()
+
+    def all_gather(self, x: torch.Tensor, *, what: str) -> torch.Tensor:
+        """[n, ...] on every rank (same n) -> [size * n, ...] in rank order."""
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._record("all_gather", what, x, (self.size - 1) * x.numel() * x.element_size())
+        self._run("all_gather", what, lambda: _ALL_GATHER(_wire(out), _wire(x.contiguous()), group=self.group,
+                                                          async_op=True))
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, *, what: str) -> torch.Tensor:
+        """[size * n, ...] partial sums on every rank -> this rank's [n, ...] block of their sum."""
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._record("reduce_scatter", what, x, (self.size - 1) * out.numel() * x.element_size())
+        self._run("reduce_scatter", what, lambda: _REDUCE_SCATTER(out, x.contiguous(), group=self.group,
+                                                                  async_op=True))
+        return out
+
+    def all_reduce(self, x: torch.Tensor, *, what: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place, and returned. x must be contiguous."""
+        self._record("all_reduce", what, x, x.numel() * x.element_size())
+        self._run("all_reduce", what, lambda: dist.all_reduce(x, op=op, group=self.group, async_op=True))
+        return x
+
+    # -- bounded waiting --------------------------------------------------------------------
+    def _run(self, op: str, what: str, start: Callable[[], object]) -> None:
+        if self._failure is not None:
+            raise CollectiveError(f"rank {self.rank}/{self.size}: {op} ({what}) refused: an earlier collective of "
+                                  f"this group failed ({self._failure}); the group's state is unknown, re-create "
+                                  "the process group (restart the ranks)")
+        began = time.monotonic()
+        try:
+            start().wait(timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, dist.DistError) as error:
+            cause = " ".join(str(error).split())[:300]
+            self._failure = f"{op} ({what}): {cause}"
+            raise CollectiveError(
+                f"rank {self.rank}/{self.size}: {op} of the MoE {what} failed after {time.monotonic() - began:.1f} s "
+                f"(collective timeout {self.timeout_s:g} s): {cause}. Another rank of the expert-parallel group "
+                f"failed, exited or never reached this collective: look for its error first. If the ranks are "
+                f"only slow (first-call compilation, a loaded machine), raise the timeout with ${TIMEOUT_ENV} "
+                "or build(..., timeout_s=...)") from error
+
+    def _record(self, op: str, what: str, x: torch.Tensor, bytes_out: int) -> None:
+        if self.trace is not None:
+            self.trace.append(WireRecord(op, what, x.dtype, tuple(x.shape), bytes_out))
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    return x[0].numel() * x.element_size() if x.shape[0] else 0
+
+
+def init_distributed(*, backend: str, timeout_s: Optional[float] = None, **kwargs) -> None:
+    """`torch.distributed.init_process_group` bounded by the collective timeout, failing clearly.
+
+    gloo bounds its operations by the group timeout itself. For NCCL the group timeout drives
+    the watchdog; it is set a few seconds above the collective timeout, and asynchronous error
+    handling defaults to 2 (abort the communicator, keep the process), so a timed-out rank
+    raises `Comm`'s error, which says what to do, rather than being torn down silently.
+    """
+    timeout = resolve_timeout(timeout_s)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        timeout += _NCCL_WATCHDOG_MARGIN_S
+    rank = kwargs.get("rank", os.environ.get("RANK", "?"))
+    world = kwargs.get("world_size", os.environ.get("WORLD_SIZE", "?"))
+    try:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), **kwargs)
+    except (RuntimeError, dist.DistError) as error:
+        raise CollectiveError(f"rank {rank}/{world}: the {backend} process group did not form within {timeout:g} s "
+                              f"({' '.join(str(error).split())[:300]}). Every rank must start and reach init: "
+                              "check that all ranks launched (torchrun --nproc-per-node N), that they share "
+                              f"MASTER_ADDR/MASTER_PORT, or raise ${TIMEOUT_ENV}") from error

@@ -1,0 +1,54 @@
+"""Common ground of the dispatchers that move tokens between ranks, and what a token carries.
+
+A dispatched token row carries its hidden state (quantised when the dispatcher quantises,
+else in the input dtype), its top-k ids and router weights (packed into one int32 row so
+they cross in one collective), and its activation scale when that scale is per token
+([T] per token, [T, H/128] per 1x128 group). A per-tensor scale never travels: with a
+static scale every rank already has it, and a dynamic one is agreed on before quantising
+(one all-reduce of the amax), so every rank quantises exactly as one device would over the
+whole batch and the experts see one consistent scale.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moerules.quant import Granularity
+
+from ..prepare_finalize import LocalPrepareFinalize
+from ..quantize import tensor_scale_from_amax
+
+
+class ExchangePrepareFinalize(LocalPrepareFinalize):
+    needs_group = True
+
+    @property
+    def remote_expert_ids(self) -> bool:
+        # Padding rows and other ranks' experts reach the experts as id -1.
+        return True
+
+    def activation_scale(self, x: torch.Tensor, *, a13_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if a13_scale is not None or self.scheme.act_granularity != Granularity.tensor:
+            return a13_scale
+        amax = x.abs().amax().float().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+        amax = self.comm.all_reduce(amax, what="activation amax", op=dist.ReduceOp.MAX)
+        return tensor_scale_from_amax(amax, self.scheme.act_torch_dtype)
+
+    def token_scale(self, a_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The part of a_scale that travels with the tokens (per token / per group rows), else None."""
+        if a_scale is None or self.scheme.act_granularity == Granularity.tensor:
+            return None
+        return a_scale
+
+
+def pack_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """int32 ids [N, k] and fp32 weights [N, k] -> one int32 [N, 2k] (weights bit-cast, not converted)."""
+    return torch.cat([topk_ids.to(torch.int32), topk_weights.float().view(torch.int32)], dim=1)
+
+
+def unpack_topk(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k = packed.shape[1] // 2
+    return packed[:, :k].contiguous(), packed[:, k:].contiguous().view(torch.float32)

@@ -74,15 +74,14 @@ def ranks_of(decision: Decision) -> int:
 
 def placement_for(decision: Decision):
     """Where the experts live over the decision's ranks (None for one device): whole experts under EP,
-    round robin where the activation format needs it; otherwise a slice of every expert's intermediate size."""
-    from moerules.kernels.ep import Placement, PlacementKind, required_expert_placement
+    placed as the rules say (Decision.expert_placement); otherwise a slice of every expert's intermediate size."""
+    from moerules.kernels.ep import Placement, PlacementKind
     ranks = ranks_of(decision)
     if ranks == 1:
         return None
     if not decision.config.parallel.use_ep:
         return Placement.tensor(decision.config.model.num_experts, ranks)
-    kind = required_expert_placement(activation_format=decision.activation_format.value) or PlacementKind.contiguous
-    return Placement(kind, decision.config.model.num_experts, ranks)
+    return Placement(PlacementKind(decision.expert_placement.value), decision.config.model.num_experts, ranks)
 
 
 def _parallel_checks(decision: Decision, weights, group, placement):

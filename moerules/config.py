@@ -263,6 +263,12 @@ class MoEConfig(_Record):
         """Largest power-of-two divisor of the per-partition intermediate size."""
         return pow2_alignment(self.intermediate_per_partition)
 
+    @computed_field
+    @property
+    def experts_per_rank_remainder(self) -> int:
+        """Experts left over when they are split over the EP ranks (0: every rank holds E/ranks)."""
+        return self.model.num_experts % self.parallel.ep_size
+
     def facts(self) -> dict:
         """The config as the plain, fully-populated fact the rule engines match against."""
         data = self.model_dump(mode="json")

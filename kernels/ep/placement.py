@@ -34,10 +34,11 @@ class PlacementError(ValueError):
 
 
 def required_expert_placement(*, activation_format: str) -> Optional[PlacementKind]:
-    """The expert placement an activation format needs under EP, or None when any will do.
+    """The expert placement the batched kernels need under EP, or None when any will do.
 
-    The one place this is decided; the integrator points it at a rule-derived field once the
-    rules carry one. Batched dispatchers index per-rank expert tables as e % R (round robin).
+    Batched dispatchers index per-rank expert tables as e % R (round robin). Decisions carry
+    the rules' choice (`Decision.expert_placement`, rule placement.round_robin_for_batched);
+    this is the kernels' side of the same contract, checked at build so neither can drift alone.
     """
     return PlacementKind.round_robin if activation_format == BATCHED else None
 

@@ -188,3 +188,12 @@ def test_mxfp8_sets_the_weight_block_before_conversion(rules_without):
     cfg = config(quant={"family": "mxfp8"}, platform=cuda("sm_90"))
     assert decide(cfg).quant.weight_block == 32
     assert decide(cfg, rules_without("mxfp8.weight_block_32")).quant.weight_block == 0
+
+
+def test_uneven_expert_split_is_refused_by_a_rule_not_only_at_build(rules_without):
+    uneven = config(model={"num_experts": 9}, parallel={"tp": 2, "expert_parallel": True})
+    decision = decide(uneven)
+    assert decision.outcome == Outcome.unsupported
+    assert {r.rule for r in decision.rejections_of("triton")} == {"ep.even_expert_split"}
+    assert decide(uneven, rules_without("ep.even_expert_split")).backend == "triton"
+    assert decide(config(parallel={"tp": 2, "expert_parallel": True})).backend == "triton"

@@ -28,9 +28,15 @@ def build(decision: Decision, weights, *, device=None, routing=None):
 
     `weights` are `moerules.kernels.MoEWeights` in the decision's quant scheme (see
     `make_random_weights`); they are padded in place, once, as the decision's padding says.
+    LoRA adapters on the weights need a decision made with features.lora (without adapters such
+    a decision still builds: they can arrive later through `MoELayer.set_lora`).
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
+    if weights.lora is not None and not decision.config.features.lora:
+        raise KernelUnavailableError(
+            f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
+            f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
     for component, kernel, package in (("experts backend", decision.kernel, decision.external_package),
                                        ("prepare/finalize", decision.prepare_finalize_kernel, None)):
         if kernel is None:

@@ -160,9 +160,13 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
     gran = weights.scheme.weight_granularity
     I = weights.intermediate
     layout = _row_layout(gated=weights.gated, interleaved=interleaved)
-    if gran == Granularity.block128 and intermediate_pad and layout == _HALVES and I % QUANT_BLOCK:
-        raise ValueError(f"block128 weights with intermediate {I} (not a multiple of {QUANT_BLOCK}) cannot be "
-                         "padded: the up half would straddle a scale block")
+    # [gate | up] halves: the up half moves from row I to row I + intermediate_pad. Its rows keep their
+    # 128-row scale blocks only if both are multiples of 128 (else gate and up rows share a scale).
+    if gran == Granularity.block128 and intermediate_pad and layout == _HALVES and (
+            I % QUANT_BLOCK or intermediate_pad % QUANT_BLOCK):
+        raise ValueError(f"block128 weights with intermediate {I} cannot be padded by {intermediate_pad}: the up "
+                         f"half would move from row {I} to row {I + intermediate_pad} and straddle a "
+                         f"{QUANT_BLOCK}-row scale block (both must be multiples of {QUANT_BLOCK})")
     hp, ip = pads
     weights.w13 = _pad_rows(weights.w13, ip, layout, 0.0, dim=1)
     weights.w13 = _pad_dim(weights.w13, 2, hp, 0.0)

@@ -200,16 +200,17 @@ def gemm1_gated_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
         bg = tl.load(w_e + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        if GATED:
+            bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
         sa, sg, su = 1.0, 1.0, 1.0  # unused unless block-scaled
         if W_SCALE == 3:
             sa, sg = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, gate_rows, col_ok, stride_wsn, k0,
                                   A_SCALE)
-        acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
-        if GATED:
-            bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-            if W_SCALE == 3:
+            if GATED:
                 sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn,
                                       k0, A_SCALE)
+        acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
+        if GATED:
             acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
     lb_e = lora_b_ptr + e * stride_lbe
     gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)

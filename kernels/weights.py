@@ -64,7 +64,7 @@ class MoEWeights:
 
     def check_lora(self, lora: Optional[LoRAWeights] = None) -> None:
         """Raise ValueError unless `lora` (default: the attached adapters, if any) fits these weights as they are."""
-        lora = lora or self.lora
+        lora = lora if lora is not None else self.lora
         if lora is not None:
             lora.check_matches(num_experts=self.num_experts, rows13=self.w13.shape[1], hidden=self.hidden,
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from moerules.activation import Activation, Dtype
-from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_weights
+from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
@@ -61,6 +61,10 @@ TIMED_SCHEMES = {"bf16": QuantConfig(),
                                             activation_granularity=G.token),
                  "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128)}
 M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
+# Correctness only (not timed): LoRA adapters (rank 16) and the non-gated relu2, on one model.
+FEATURE_CASES = [("lora", "unquantized"), ("lora", "fp8_w8a16/channel"), ("relu2_no_mul", "unquantized"),
+                 ("relu2_no_mul", "fp8_w8a8/block128/group128")]
+FEATURE_LORA_RANK = 16
 TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w8a8": 3e-2}
 
 
@@ -178,16 +182,39 @@ class Bench:
                             rows.append({"model": name, "cell": cell, "kernel": kernel_id, "error": str(exc)})
                             self.log(f"BUILD FAIL {name} {cell} {exc}")
                         continue
-                    for M in ([1, 37] if self.smoke else [1, 333]):
-                        self.poison()
-                        r = run_forward(layer, num_tokens=M, seed=M, device=self.device)
-                        ok = r["all_finite"] and r["rel_err_vs_reference"] <= tolerance(cell)
-                        rows.append({"model": name, "cell": cell, "kernel": kernel_id, "M": M,
-                                     "rel_err": r["rel_err_vs_reference"], "tol": tolerance(cell), "ok": ok})
-                        self.log(f"{'ok  ' if ok else 'FAIL'} {name:14s} {cell:30s} {kernel_id:17s} M={M:5d} "
-                                 f"rel_err={r['rel_err_vs_reference']:.2e} (tol {tolerance(cell):.0e})")
+                    self.check(rows, layer, name, cell)
+        name = "qwen3-30b-a3b" if "qwen3-30b-a3b" in self.models else next(iter(self.models))
+        for feature, cell in FEATURE_CASES:
+            self.check(rows, self.feature_layer(name, cell, feature), name, cell, feature)
         self.results["correctness"] = rows
         self.save()
+
+    def check(self, rows: list, layer, name: str, cell: str, feature: str = ""):
+        """One layer at two batch sizes against the fp32 reference on the same weights (adapters included)."""
+        for M in ([1, 37] if self.smoke else [1, 333]):
+            self.poison()
+            r = run_forward(layer, num_tokens=M, seed=M, device=self.device)
+            ok = r["all_finite"] and r["rel_err_vs_reference"] <= tolerance(cell)
+            rows.append({"model": name, "cell": cell, "kernel": layer.kernel_id, "feature": feature, "M": M,
+                         "rel_err": r["rel_err_vs_reference"], "tol": tolerance(cell), "ok": ok})
+            self.log(f"{'ok  ' if ok else 'FAIL'} {name:14s} {cell:30s} {layer.kernel_id:17s} {feature:12s} "
+                     f"M={M:5d} rel_err={r['rel_err_vs_reference']:.2e} (tol {tolerance(cell):.0e})")
+
+    def feature_layer(self, name: str, cell: str, feature: str):
+        """triton.fused_moe with LoRA adapters ("lora") or with the non-gated relu2 ("relu2_no_mul")."""
+        m = self.models[name]
+        activation = Activation.relu2_no_mul if feature == "relu2_no_mul" else m.activation
+        self._weights_cache.clear()  # these weights are not reused; free the cached ones first
+        weights = make_random_weights(num_experts=m.E, hidden=m.H, intermediate=m.I, quant=quant_of(cell),
+                                      in_dtype=self.in_dtype, has_bias=m.bias, seed=0, device=self.device,
+                                      gated=activation.gated)
+        if feature == "lora":
+            weights.lora = make_random_lora(num_experts=m.E, hidden=m.H, intermediate=m.I, rank=FEATURE_LORA_RANK,
+                                            in_dtype=self.in_dtype, gated=activation.gated, seed=1,
+                                            device=self.device)
+        return build_layer(kernel_id="triton.fused_moe", prepare_finalize_id="local", quant=quant_of(cell),
+                           activation=activation, in_dtype=self.in_dtype, activation_format="standard",
+                           weights=weights, device=self.device, routing=RoutingConfig(top_k=m.k))
 
     def poison(self):
         """Fill the allocator's free blocks with NaN, so an unwritten output element shows up."""

@@ -2,8 +2,8 @@
 
 Gated activations take the GEMM1 output [T, 2I] and return [T, I]; which rows are gate and
 which are up depends on the layout: [gate | up] halves, or interleaved (g0, u0, g1, u1, ...)
-for gpt-oss's `swigluoai`. The non-gated `*_no_mul` activations need a [E, I, H] w13 and are not
-implemented here yet.
+for gpt-oss's `swigluoai`. The non-gated `*_no_mul` activations take [T, I] (w13 holds I rows)
+and apply the function elementwise; relu2 is relu(x)^2.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ SWIGLUOAI_LIMIT = 7.0
 
 GATED_ACTIVATIONS = frozenset({Activation.silu, Activation.gelu, Activation.gelu_tanh, Activation.swigluoai,
                                Activation.swigluoai_uninterleave})
+NON_GATED_ACTIVATIONS = frozenset({Activation.silu_no_mul, Activation.gelu_no_mul, Activation.relu2_no_mul})
+ACTIVATIONS = GATED_ACTIVATIONS | NON_GATED_ACTIVATIONS
 
 
 def is_interleaved(activation: Activation) -> bool:
@@ -33,9 +35,15 @@ def split_gate_up(h: torch.Tensor, activation: Activation) -> tuple[torch.Tensor
 
 
 def apply_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """GEMM1 output -> GEMM2 input, in h's dtype. Only gated activations: w13 holds 2I rows."""
-    if activation not in GATED_ACTIVATIONS:
+    """GEMM1 output -> GEMM2 input, in h's dtype: [T, 2I] -> [T, I] gated, [T, I] -> [T, I] non-gated."""
+    if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation.value!r} is not implemented by moerules.kernels")
+    if activation == Activation.silu_no_mul:
+        return F.silu(h)
+    if activation == Activation.gelu_no_mul:
+        return F.gelu(h)
+    if activation == Activation.relu2_no_mul:
+        return torch.square(F.relu(h))
     gate, up = split_gate_up(h, activation)
     if activation == Activation.silu:
         return F.silu(gate) * up

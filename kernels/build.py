@@ -13,6 +13,7 @@ from .activations import is_interleaved
 from .ep.connect import connect
 from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
+from .lora import lora_refusal
 from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
 from .scheme import Scheme, UnsupportedScheme
 from .weights import MoEWeights, pad_weights
@@ -28,7 +29,8 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference").
     prepare_finalize_id: "local", "allgather_reducescatter", "all2all" or "all2all_batched".
     quant / activation / in_dtype: the scheme, activation and compute dtype; `weights` must already
-        be in that scheme (see `make_random_weights` / `quantize_weights`).
+        be in that scheme (see `make_random_weights` / `quantize_weights`), gated exactly when the
+        activation is, and may carry LoRA adapters (`weights.lora`) if the experts apply them.
     activation_format: "standard" (or "batched", which no registered kernel implements yet).
     hidden_pad / intermediate_pad: zero columns added to H / I (weights are padded in place, once;
         inputs are padded and outputs cut back to the logical hidden size).
@@ -69,6 +71,20 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, f"weights are {weights.scheme.cell}/{weights.in_dtype.value} but the layer "
                                           f"asks for {scheme.cell}/{in_dtype.value}; quantise them with "
                                           "quantize_weights first")
+    if weights.gated != activation.gated:
+        rows = "2I (gate and up)" if activation.gated else "I"
+        raise KernelBuildError(kernel_id, f"activation {activation.value!r} needs w13 with {rows} rows, but the weights "
+                                          f"are {'gated' if weights.gated else 'non-gated'} (w13 "
+                                          f"{tuple(weights.w13.shape)}, w2 {tuple(weights.w2.shape)}); make them "
+                                          f"with gated={activation.gated}")
+    if weights.lora is not None:
+        reason = lora_refusal(supports_lora=spec.supports_lora, scheme=scheme)
+        if reason:
+            raise KernelBuildError(kernel_id, reason)
+        try:
+            weights.check_lora()
+        except ValueError as exc:
+            raise KernelBuildError(kernel_id, str(exc)) from None
     device = torch.device(device)
     if weights.device.type != device.type:
         raise KernelBuildError(kernel_id, f"weights are on {weights.device}, the layer is for {device}")

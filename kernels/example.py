@@ -42,5 +42,6 @@ def run_forward(layer: MoELayer, *, num_tokens: int, seed: int, device: Union[st
     return {"kernel_id": layer.kernel_id, "device": str(device), "num_tokens": num_tokens,
             "num_experts": w.num_experts, "hidden": layer.hidden_size, "intermediate": w.intermediate,
             "top_k": topk_ids.shape[1], "scheme": w.scheme.cell, "activation": layer.experts.activation.value,
-            "in_dtype": w.in_dtype.value, "checksum": float(out.double().sum().item()),
+            "in_dtype": w.in_dtype.value, "lora_rank": w.lora.rank if w.lora is not None else 0,
+            "checksum": float(out.double().sum().item()),
             "all_finite": bool(torch.isfinite(out).all().item()), "rel_err_vs_reference": rel_err}

@@ -90,12 +90,14 @@ class PrepareFinalize(ABC):
 class Experts(ABC):
     """Computes the experts for already routed (and maybe quantised) tokens.
 
-    Subclasses set `activation_format` and `supports_bias`. `expects_unquantized_inputs`
-    is not a constant: it depends on the dispatcher the experts are paired with (`bind`).
+    Subclasses set `activation_format` and `supports_bias`, and `supports_lora` when they apply
+    the LoRA adapters of `weights.lora`. `expects_unquantized_inputs` is not a constant: it
+    depends on the dispatcher the experts are paired with (`bind`).
     """
 
     activation_format: ClassVar[str]
     supports_bias: ClassVar[bool]
+    supports_lora: ClassVar[bool] = False
 
     def __init__(self, *, scheme: Scheme, activation: Activation, kernel_id: str):
         self.scheme = scheme

@@ -7,10 +7,13 @@ from typing import Optional
 
 import torch
 
+from .activations import is_interleaved
+from .errors import KernelBuildError
 from .interfaces import Experts, PrepareFinalize
+from .lora import LoRAWeights, lora_refusal
 from .scheme import TORCH_DTYPE
 from .routing import check_topk_dtypes, fused_topk, grouped_topk, validate_topk
-from .weights import MoEWeights
+from .weights import MoEWeights, pad_lora
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,33 @@ class MoELayer:
     def kernel_id(self) -> str:
         return self.experts.kernel_id
 
+    def set_lora(self, lora: Optional[LoRAWeights]) -> None:
+        """Attach LoRA adapters of the logical (unpadded) sizes, or remove them with None.
+
+        For adapters that arrive after the build: they are padded as the weights were, and
+        refused (KernelBuildError) where these experts cannot apply them.
+        """
+        if lora is not None and self.weights.padding:
+            hidden_pad, intermediate_pad = self.weights.padding
+            lora = pad_lora(lora, hidden_pad=hidden_pad, intermediate_pad=intermediate_pad, gated=self.weights.gated,
+                            interleaved=is_interleaved(self.experts.activation))
+        reason = self._lora_refusal(lora)
+        if reason:
+            raise KernelBuildError(self.kernel_id, reason)
+        self.weights.lora = lora
+
+    def _lora_refusal(self, lora: Optional[LoRAWeights]) -> Optional[str]:
+        if lora is None:
+            return None
+        reason = lora_refusal(supports_lora=self.experts.supports_lora, scheme=self.experts.scheme)
+        if reason:
+            return reason
+        try:
+            self.weights.check_lora(lora)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         if r is None:
@@ -70,6 +100,10 @@ class MoELayer:
         else:
             topk_ids, topk_weights = validate_topk(topk_ids=topk_ids, topk_weights=topk_weights,
                                                    num_tokens=x.shape[0], num_experts=self.num_experts)
+        # Adapters assigned to weights.lora directly, bypassing set_lora, must never be dropped silently.
+        reason = self._lora_refusal(self.weights.lora)
+        if reason:
+            raise ValueError(f"{self.kernel_id}: {reason}")
         prepared = self.prepare_finalize.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights,
                                                  defer_input_quant=self.experts.expects_unquantized_inputs,
                                                  a13_scale=self.weights.a13_scale)

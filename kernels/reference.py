@@ -4,7 +4,8 @@ It follows the data path of the fused kernels step by step, in a wider dtype:
 dequantise the (already quantised) input, GEMM1 per expert, bias, activation, round the
 intermediate to in_dtype (the kernels keep it in in_dtype), quantise it over *all* slots
 at once (a dynamic per-tensor scale spans every slot), GEMM2 per expert, bias, routed
-weight, sum over k. With compute_dtype=float64 it is the yardstick of the tests.
+weight, sum over k. LoRA deltas join both GEMMs, computed from the unquantised GEMM inputs
+(see lora.py). With compute_dtype=float64 it is the yardstick of the tests.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, schem
     return dequantize_weight(w[e:e + 1], scale[e:e + 1], granularity=scheme.weight_granularity)[0].to(dtype)
 
 
+def _lora_delta(a: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, e: int, scaling: float) -> torch.Tensor:
+    """scaling * (a A[e]^T) B[e]^T in a's dtype."""
+    return scaling * ((a @ lora_a[e].to(a.dtype).T) @ lora_b[e].to(a.dtype).T)
+
+
 def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor], activation,
                   compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """-> [T, H] in compute_dtype. hidden_q/a_scale as prepared (quantised iff the scheme quantises)."""
     scheme = weights.scheme
     in_dtype = TORCH_DTYPE[weights.in_dtype]
+    lora = weights.lora
+    if lora is not None and scheme.quantizes_activations:
+        raise ValueError(f"LoRA deltas need unquantised activations; scheme {scheme.cell} quantises them")
     T, k = topk_ids.shape
     if scheme.quantizes_activations:
         x = dequantize_activation(hidden_q, a_scale, granularity=scheme.act_granularity).to(compute_dtype)
@@ -48,7 +57,10 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     inter = torch.zeros(T * k, weights.intermediate, dtype=in_dtype, device=x.device)
     for e in experts:
         slots = slots_of[e]
-        h = x[slot_token[slots]] @ _expert_weight(weights.w13, weights.w13_scale, e, scheme, compute_dtype).T
+        xe = x[slot_token[slots]]
+        h = xe @ _expert_weight(weights.w13, weights.w13_scale, e, scheme, compute_dtype).T
+        if lora is not None:
+            h = h + _lora_delta(xe, lora.w13_lora_a, lora.w13_lora_b, e, lora.scaling)
         if weights.has_bias:
             h = h + weights.w13_bias[e].to(compute_dtype)
         inter[slots] = apply_activation(h, activation).to(in_dtype)
@@ -65,6 +77,8 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     for e in experts:
         slots = slots_of[e]
         y = inter_c[slots] @ _expert_weight(weights.w2, weights.w2_scale, e, scheme, compute_dtype).T
+        if lora is not None:  # inter_c is the unquantised intermediate here (LoRA needs unquantised activations)
+            y = y + _lora_delta(inter_c[slots], lora.w2_lora_a, lora.w2_lora_b, e, lora.scaling)
         if weights.has_bias:
             y = y + weights.w2_bias[e].to(compute_dtype)
         out.index_add_(0, slot_token[slots], y * flat_w[slots, None])
@@ -74,6 +88,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
 class TorchReferenceExperts(Experts):
     activation_format = STANDARD
     supports_bias = True
+    supports_lora = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Ids, never import paths, name kernels everywhere (rules, decisions, CLI). An entry says
 which scheme cells (`Scheme.cell`), activations and in_dtypes it implements, whether it
-takes biases, its activation format, and how to probe the platform for its packages; so
-a mismatched request fails with a message instead of running something else.
+takes biases and applies LoRA adapters, its activation format, and how to probe the platform
+for its packages; so a mismatched request fails with a message instead of running something else.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from moerules.activation import Activation, Dtype
 
-from .activations import GATED_ACTIVATIONS
+from .activations import ACTIVATIONS
 from .interfaces import BATCHED, STANDARD, Experts, PrepareFinalize
 from .scheme import Scheme, scheme_cells
 from .weights import MoEWeights
@@ -38,6 +38,7 @@ class ExpertsSpec:
     # None if runnable here, else the reason and the fix. Called with (scheme, in_dtype, device, weights).
     probe: Callable[[Scheme, Dtype, torch.device, MoEWeights], Optional[str]]
     notes: str = ""
+    supports_lora: bool = False       # applies `weights.lora` (on unquantised activations only)
 
 
 @dataclass(frozen=True)
@@ -93,20 +94,19 @@ def _probe_grouped_mm(scheme, in_dtype, device, weights) -> Optional[str]:
     return probe(device.type, TORCH_DTYPE[in_dtype], scaled)
 
 
-_GATED = frozenset(GATED_ACTIVATIONS)
 EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
-    ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, _GATED,
+    ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
-                "CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16"),
+                "CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16", supports_lora=True),
     ExpertsSpec("torch.grouped_mm", ".grouped_mm:GroupedMMExperts", STANDARD,
-                frozenset({"unquantized", ROWWISE_FP8}), _GATED, frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}),
+                frozenset({"unquantized", ROWWISE_FP8}), ACTIVATIONS, frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}),
                 True, _probe_grouped_mm,
                 "unquantized via torch._grouped_mm (CUDA: bf16 only, sm90/sm100 fast path; CPU where torch has the "
                 "fallback); fp8_w8a8/channel/token via torch._scaled_grouped_mm (CUDA sm90+, bf16 output, "
                 "hidden and intermediate multiples of 16)"),
-    ExpertsSpec("torch.reference", ".reference:TorchReferenceExperts", STANDARD, ALL_CELLS, _GATED,
+    ExpertsSpec("torch.reference", ".reference:TorchReferenceExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}), True, _probe_reference,
-                "any device; fp32 dequantise-then-matmul, one expert at a time"),
+                "any device; fp32 dequantise-then-matmul, one expert at a time", supports_lora=True),
 ]}
 
 PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
@@ -127,6 +127,7 @@ def supported_cells() -> dict[str, dict]:
     return {s.kernel_id: {"activation_format": s.activation_format, "cells": sorted(s.cells),
                           "activations": sorted(a.value for a in s.activations),
                           "in_dtypes": sorted(d.value for d in s.in_dtypes), "supports_bias": s.supports_bias,
+                          "supports_lora": s.supports_lora,
                           "platform": s.notes}
             for s in EXPERTS.values()}
 

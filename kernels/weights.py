@@ -1,11 +1,13 @@
 """Expert weights of one MoE layer, their random construction, quantisation and padding.
 
-Layout (logical sizes E experts, H hidden, I intermediate):
-  w13 [E, 2I, H]: gate rows then up rows; for `swigluoai` the rows interleave (gate0, up0, gate1, ...).
+Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-gated):
+  w13 [E, N1, H]: gated: gate rows then up rows, or for `swigluoai` interleaved (gate0, up0, gate1, ...);
+      non-gated (`*_no_mul` activations): I rows, the activation is applied elementwise.
   w2  [E, H, I]
-  w13_bias [E, 2I], w2_bias [E, H] in the layer's in_dtype (optional)
+  w13_bias [E, N1], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
+  lora: optional per-expert LoRA adapters (`lora.py`), padded together with the weights.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from moerules.activation import Dtype
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
+from .lora import LoRAWeights
 from .quantize import FP8_MAX, quantize_weight
 from .scheme import QUANT_BLOCK, TORCH_DTYPE, Scheme
 
@@ -44,14 +47,27 @@ class MoEWeights:
     a2_scale: Optional[torch.Tensor] = None
     # (hidden_pad, intermediate_pad) once `pad_weights` has run; guards against a second padding.
     padding: Optional[tuple[int, int]] = None
+    # False for the non-gated `*_no_mul` activations: w13 then holds I rows, not 2I.
+    gated: bool = True
+    lora: Optional[LoRAWeights] = None
 
     def __post_init__(self):
-        E, two_i, H = self.w13.shape
-        if two_i % 2 or self.w2.shape != (E, H, two_i // 2):
-            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not form a "
-                             "[E, 2I, H] / [E, H, I] pair")
+        E, rows, H = self.w13.shape
+        I = rows // 2 if self.gated else rows
+        if (self.gated and rows % 2) or self.w2.shape != (E, H, I):
+            layout = "[E, 2I, H] / [E, H, I] pair (gated)" if self.gated else "[E, I, H] / [E, H, I] pair (non-gated)"
+            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not form a {layout}; "
+                             f"gated={self.gated} must match the activation (the *_no_mul ones are non-gated)")
         if (self.scheme.weight_dtype is None) != (self.w13_scale is None):
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
+        self.check_lora()
+
+    def check_lora(self, lora: Optional[LoRAWeights] = None) -> None:
+        """Raise ValueError unless `lora` (default: the attached adapters, if any) fits these weights as they are."""
+        lora = lora if lora is not None else self.lora
+        if lora is not None:
+            lora.check_matches(num_experts=self.num_experts, rows13=self.w13.shape[1], hidden=self.hidden,
+                               intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
 
     @property
     def num_experts(self) -> int:
@@ -76,8 +92,8 @@ class MoEWeights:
 
 
 def make_random_weights(*, num_experts: int, hidden: int, intermediate: int, quant: QuantConfig,
-                        in_dtype: Dtype, has_bias: bool, seed: int, device) -> MoEWeights:
-    """Seeded random weights (never zeros), quantised to `quant`.
+                        in_dtype: Dtype, has_bias: bool, seed: int, device, gated: bool = True) -> MoEWeights:
+    """Seeded random weights (never zeros), quantised to `quant`; w13 has 2I rows, or I when not `gated`.
 
     Values are N(0, 1/K) so each GEMM output is O(1); biases are N(0, 0.1^2). The same seed
     gives the same weights on the same device type.
@@ -89,12 +105,13 @@ def make_random_weights(*, num_experts: int, hidden: int, intermediate: int, qua
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
     E, H, I = num_experts, hidden, intermediate
+    rows13 = 2 * I if gated else I
     # Generate expert by chunk so fp32 temporaries stay small on 20 GB layers.
-    w13 = torch.cat([randn(min(_QUANT_CHUNK, E - e), 2 * I, H, std=H ** -0.5) for e in range(0, E, _QUANT_CHUNK)])
+    w13 = torch.cat([randn(min(_QUANT_CHUNK, E - e), rows13, H, std=H ** -0.5) for e in range(0, E, _QUANT_CHUNK)])
     w2 = torch.cat([randn(min(_QUANT_CHUNK, E - e), H, I, std=I ** -0.5) for e in range(0, E, _QUANT_CHUNK)])
     weights = MoEWeights(w13=w13, w2=w2, scheme=Scheme(family=QuantFamily.unquantized), in_dtype=in_dtype,
-                         w13_bias=randn(E, 2 * I, std=0.1) if has_bias else None,
-                         w2_bias=randn(E, H, std=0.1) if has_bias else None)
+                         w13_bias=randn(E, rows13, std=0.1) if has_bias else None,
+                         w2_bias=randn(E, H, std=0.1) if has_bias else None, gated=gated)
     return quantize_weights(weights, quant=quant)
 
 
@@ -113,7 +130,8 @@ def quantize_weights(weights: MoEWeights, *, quant: QuantConfig) -> MoEWeights:
     return MoEWeights(w13=w13, w2=w2, scheme=scheme, in_dtype=weights.in_dtype,
                       w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, w13_scale=s13, w2_scale=s2,
                       a13_scale=torch.tensor([RANDOM_STATIC_A13_SCALE], device=dev) if static else None,
-                      a2_scale=torch.tensor([RANDOM_STATIC_A2_SCALE], device=dev) if static else None)
+                      a2_scale=torch.tensor([RANDOM_STATIC_A2_SCALE], device=dev) if static else None,
+                      gated=weights.gated, lora=weights.lora)
 
 
 def _quantize_chunked(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +141,13 @@ def _quantize_chunked(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, to
 
 
 def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, interleaved: bool) -> MoEWeights:
-    """Zero-pad H by `hidden_pad` and I by `intermediate_pad`, in place. Idempotent.
+    """Zero-pad H by `hidden_pad` and I by `intermediate_pad`, in place, LoRA adapters included. Idempotent.
 
     Padding is exact: padded inputs/rows are zero, every supported activation maps a zero
-    (gate, up) pair to zero, padded scales are 1 and padded biases 0. The `padding` flag
-    makes a second call with the same pads a no-op and one with other pads an error, so a
-    layer built twice on one weights object cannot pad twice.
+    (gate, up) pair, or a zero pre-activation when non-gated, to zero, padded scales are 1 and
+    padded biases and adapter rows/columns 0. The `padding` flag makes a second call with the
+    same pads a no-op and one with other pads an error, so a layer built twice on one weights
+    object cannot pad twice.
     """
     pads = (hidden_pad, intermediate_pad)
     if weights.padding is not None:
@@ -140,24 +159,55 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
         raise ValueError(f"pads must be >= 0, got {pads}")
     gran = weights.scheme.weight_granularity
     I = weights.intermediate
-    if gran == Granularity.block128 and intermediate_pad and not interleaved and I % QUANT_BLOCK:
-        raise ValueError(f"block128 weights with intermediate {I} (not a multiple of {QUANT_BLOCK}) cannot be "
-                         "padded: the up half would straddle a scale block")
+    layout = _row_layout(gated=weights.gated, interleaved=interleaved)
+    # [gate | up] halves: the up half moves from row I to row I + intermediate_pad. Its rows keep their
+    # 128-row scale blocks only if both are multiples of 128 (else gate and up rows share a scale).
+    if gran == Granularity.block128 and intermediate_pad and layout == _HALVES and (
+            I % QUANT_BLOCK or intermediate_pad % QUANT_BLOCK):
+        raise ValueError(f"block128 weights with intermediate {I} cannot be padded by {intermediate_pad}: the up "
+                         f"half would move from row {I} to row {I + intermediate_pad} and straddle a "
+                         f"{QUANT_BLOCK}-row scale block (both must be multiples of {QUANT_BLOCK})")
     hp, ip = pads
-    weights.w13 = _pad_rows(weights.w13, ip, interleaved, 0.0, dim=1)
+    weights.w13 = _pad_rows(weights.w13, ip, layout, 0.0, dim=1)
     weights.w13 = _pad_dim(weights.w13, 2, hp, 0.0)
     weights.w2 = _pad_dim(_pad_dim(weights.w2, 1, hp, 0.0), 2, ip, 0.0)
     if weights.has_bias:
-        weights.w13_bias = _pad_rows(weights.w13_bias, ip, interleaved, 0.0, dim=1)
+        weights.w13_bias = _pad_rows(weights.w13_bias, ip, layout, 0.0, dim=1)
         weights.w2_bias = _pad_dim(weights.w2_bias, 1, hp, 0.0)
     if gran == Granularity.channel:
-        weights.w13_scale = _pad_rows(weights.w13_scale, ip, interleaved, 1.0, dim=1)
+        weights.w13_scale = _pad_rows(weights.w13_scale, ip, layout, 1.0, dim=1)
         weights.w2_scale = _pad_dim(weights.w2_scale, 1, hp, 1.0)
     elif gran == Granularity.block128:
-        weights.w13_scale = _pad_blocks(weights.w13_scale, weights.w13.shape[1:], interleaved)
-        weights.w2_scale = _pad_blocks(weights.w2_scale, weights.w2.shape[1:], True)
+        weights.w13_scale = _pad_blocks(weights.w13_scale, weights.w13.shape[1:], layout)
+        weights.w2_scale = _pad_blocks(weights.w2_scale, weights.w2.shape[1:], _AT_END)
+    if weights.lora is not None:
+        weights.lora = pad_lora(weights.lora, hidden_pad=hp, intermediate_pad=ip, gated=weights.gated,
+                                interleaved=interleaved)
     weights.padding = pads
     return weights
+
+
+def pad_lora(lora: LoRAWeights, *, hidden_pad: int, intermediate_pad: int, gated: bool,
+             interleaved: bool) -> LoRAWeights:
+    """Adapters padded as `pad_weights` pads their base weights: A columns and B rows, with zeros."""
+    hp, ip = hidden_pad, intermediate_pad
+    return LoRAWeights(w13_lora_a=_pad_dim(lora.w13_lora_a, 2, hp, 0.0),
+                       w13_lora_b=_pad_rows(lora.w13_lora_b, ip, _row_layout(gated=gated, interleaved=interleaved),
+                                            0.0, dim=1),
+                       w2_lora_a=_pad_dim(lora.w2_lora_a, 2, ip, 0.0), w2_lora_b=_pad_dim(lora.w2_lora_b, 1, hp, 0.0),
+                       scaling=lora.scaling)
+
+
+# Row layouts of w13-like tensors (w13, its bias, channel/block scales, LoRA B): where I-padding goes.
+_HALVES = "halves"            # gated [gate | up]: each half grows by the pad
+_INTERLEAVED = "interleaved"  # gated (g0, u0, g1, u1, ...): 2 * pad rows at the end
+_AT_END = "at_end"            # non-gated (and w2's rows): pad rows at the end
+
+
+def _row_layout(*, gated: bool, interleaved: bool) -> str:
+    if not gated:
+        return _AT_END
+    return _INTERLEAVED if interleaved else _HALVES
 
 
 def _pad_dim(t: torch.Tensor, dim: int, pad: int, value: float) -> torch.Tensor:
@@ -168,18 +218,20 @@ def _pad_dim(t: torch.Tensor, dim: int, pad: int, value: float) -> torch.Tensor:
     return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim).contiguous()
 
 
-def _pad_rows(t: torch.Tensor, pad: int, interleaved: bool, value: float, *, dim: int) -> torch.Tensor:
-    """Pad the 2I rows of w13-like tensors: at the end when interleaved, else each half."""
-    if interleaved or not pad:
+def _pad_rows(t: torch.Tensor, pad: int, layout: str, value: float, *, dim: int) -> torch.Tensor:
+    """Pad the N1 rows of a w13-like tensor by `pad` intermediate units, as `layout` places them."""
+    if layout == _AT_END or not pad:
+        return _pad_dim(t, dim, pad, value)
+    if layout == _INTERLEAVED:
         return _pad_dim(t, dim, 2 * pad, value)
     gate, up = t.chunk(2, dim=dim)
     return torch.cat([_pad_dim(gate, dim, pad, value), _pad_dim(up, dim, pad, value)], dim=dim).contiguous()
 
 
-def _pad_blocks(scale: torch.Tensor, padded_nk: torch.Size, pad_at_end: bool) -> torch.Tensor:
+def _pad_blocks(scale: torch.Tensor, padded_nk: torch.Size, layout: str) -> torch.Tensor:
     """Grow a [E, N/128, K/128] block-scale tensor to cover the padded [N, K] with ones."""
     nb, kb = (-(-d // QUANT_BLOCK) for d in padded_nk)
     scale = _pad_dim(scale, 2, kb - scale.shape[2], 1.0)
-    if pad_at_end:
-        return _pad_dim(scale, 1, nb - scale.shape[1], 1.0)
-    return _pad_rows(scale, (nb - scale.shape[1]) // 2, False, 1.0, dim=1)
+    if layout == _HALVES:
+        return _pad_rows(scale, (nb - scale.shape[1]) // 2, _HALVES, 1.0, dim=1)
+    return _pad_dim(scale, 1, nb - scale.shape[1], 1.0)

@@ -33,9 +33,15 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     of those ranks, and `weights` must be this rank's shard:
     `shard_weights(global_weights, placement, rank)`. `placement` defaults to `placement_for(decision)`.
     `timeout_s` bounds every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
+    LoRA adapters on the weights need a decision made with features.lora (without adapters such
+    a decision still builds: they can arrive later through `MoELayer.set_lora`).
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
+    if weights.lora is not None and not decision.config.features.lora:
+        raise KernelUnavailableError(
+            f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
+            f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
     for component, kernel, package in (("experts backend", decision.kernel, decision.external_package),
                                        ("prepare/finalize", decision.prepare_finalize_kernel, None)):
         if kernel is None:

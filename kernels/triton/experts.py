@@ -15,6 +15,7 @@ from .launch import fused_moe
 class TritonExperts(Experts):
     activation_format = STANDARD
     supports_bias = True
+    supports_lora = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

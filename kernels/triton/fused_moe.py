@@ -1,11 +1,18 @@
-"""Triton kernels of the fused MoE: GEMM1 with the gated activation fused, GEMM2 with the router weight.
+"""Triton kernels of the fused MoE: GEMM1 with the activation fused, GEMM2 with the router weight.
 
 Both GEMMs read the token rows of one BLOCK_M block of `sorted_ids` (see align.py), all of
 one expert, and multiply them with that expert's weights [N, K] (K contiguous).
 
 GEMM1 keeps two accumulators, gate and up, for the same output columns, and writes
 act(gate) * up: the [M*k, 2I] pre-activation never reaches memory. Gate/up row pairs are
-(n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss).
+(n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss). With GATED
+False (the `*_no_mul` activations, w13 has I rows) it keeps one accumulator and writes act(h).
+
+LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
+in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
+accumulator before the activation (GEMM1) or the router weight (GEMM2). LORA_R is the rank
+rounded up to a power of two >= 16 (tl.dot's smallest K); ranks past the real one load as zero,
+so the adapters need no padded copy.
 
 Scale codes (tl.constexpr):
   A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128]
@@ -20,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Activation codes shared with launch.py.
-ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
+# Activation codes shared with launch.py (the device functions below test the literals).
+ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
 SWIGLUOAI_ALPHA = tl.constexpr(1.702)  # globals used in @jit must be tl.constexpr objects
 SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 SCALE_BLOCK = tl.constexpr(128)
@@ -88,19 +95,72 @@ def _epilogue_scale(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+def _activation(x, ACTIVATION: tl.constexpr):
+    """The elementwise function: silu, gelu (erf), gelu (tanh) or relu^2."""
     if ACTIVATION == 0:
-        out = gate * tl.sigmoid(gate) * up
+        out = x * tl.sigmoid(x)
     elif ACTIVATION == 1:
-        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+        out = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == 2:
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        out = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * up  # tanh via sigmoid
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        out = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
     else:
+        out = tl.maximum(x, 0.0)
+        out = out * out
+    return out
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 3:
         gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
         up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
         out = gate * tl.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1.0)
+    else:
+        out = _activation(gate, ACTIVATION) * up
     return out
+
+
+@triton.jit
+def _lora_delta(shrink_ptr, stride_sm, slot, row_ok, lora_b_e, w_rows, col_ok, stride_lbn, rank,
+                LORA_R: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] LoRA delta: the block's shrink rows (scaling included) times B[e][w_rows]^T."""
+    rs = tl.arange(0, LORA_R)
+    r_ok = rs < rank
+    s = tl.load(shrink_ptr + slot[:, None] * stride_sm + rs[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    b = tl.load(lora_b_e + w_rows[None, :].to(tl.int64) * stride_lbn + rs[:, None],
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    return tl.dot(s, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def lora_shrink_kernel(
+        a_ptr, lora_a_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+        num_slots, K, rank, slots_per_row, scaling,
+        stride_am, stride_lae, stride_lar, stride_om,
+        LORA_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[slot, r] = scaling * a[slot // slots_per_row] . A[e, r] over one sorted block; 0 for r >= rank.
+
+    slots_per_row is top_k for GEMM1 (a = the token rows) and 1 for GEMM2 (a = the slot rows).
+    """
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    a_rows = slot // slots_per_row
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rs = tl.arange(0, LORA_R)
+    r_ok = rs < rank
+    la_e = lora_a_ptr + e * stride_lae
+    acc = tl.zeros((BLOCK_M, LORA_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(la_e + rs[None, :] * stride_lar + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+    tl.store(out_ptr + slot[:, None] * stride_om + rs[None, :], (acc * scaling).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 @triton.jit
@@ -111,8 +171,13 @@ def gemm1_gated_kernel(
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
+    """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
+
+    Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
+    """
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -127,28 +192,43 @@ def gemm1_gated_kernel(
     ws_e = w_scale_ptr + e * stride_wse
     acc_dtype = tl.int32 if ACC_INT else tl.float32
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    if GATED:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & col_ok[None, :]
         bg = tl.load(w_e + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        if GATED:
+            bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
         sa, sg, su = 1.0, 1.0, 1.0  # unused unless block-scaled
         if W_SCALE == 3:
             sa, sg = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, gate_rows, col_ok, stride_wsn, k0,
                                   A_SCALE)
-            sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn, k0,
-                                  A_SCALE)
+            if GATED:
+                sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn,
+                                      k0, A_SCALE)
         acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
-        acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
+        if GATED:
+            acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
+    lb_e = lora_b_ptr + e * stride_lbe
     gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
-    up = _epilogue_scale(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = _gated_activation(gate, up, ACTIVATION)
+    if HAS_LORA:
+        gate += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lb_e, gate_rows, col_ok, stride_lbn, lora_rank,
+                            LORA_R)
+    if GATED:
+        up = _epilogue_scale(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_LORA:
+            up += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lb_e, up_rows, col_ok, stride_lbn, lora_rank,
+                              LORA_R)
+        out = _gated_activation(gate, up, ACTIVATION)
+    else:
+        out = _activation(gate, ACTIVATION)
     tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -161,8 +241,10 @@ def gemm2_weighted_kernel(
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACC_INT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n]) for n < N = H."""
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
+    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -186,6 +268,9 @@ def gemm2_weighted_kernel(
     out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        out += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lora_b_ptr + e * stride_lbe, cols, col_ok,
+                           stride_lbn, lora_rank, LORA_R)
     out = out * tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])

@@ -1,4 +1,9 @@
-"""Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum."""
+"""Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum.
+
+With LoRA adapters, a shrink kernel runs before each GEMM over the same sorted blocks, on the
+unquantised GEMM input (x, and GEMM1's output before any re-quantisation); the GEMM epilogues
+add the expand.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +17,24 @@ from moerules.activation import Activation
 from moerules.quant import Granularity
 
 from ..activations import is_interleaved
+from ..lora import LoRAWeights
 from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import moe_align
 from .config import GemmConfig, MoEConfig, get_config
-from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
-                        gemm2_weighted_kernel)
+from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
+                        gemm2_weighted_kernel, lora_shrink_kernel)
 
 G = Granularity
 _A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3}
 _W_SCALE = {None: 0, G.tensor: 1, G.channel: 2, G.block128: 3}
 ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activation.gelu_tanh: ACT_GELU_TANH,
-                   Activation.swigluoai: ACT_SWIGLUOAI, Activation.swigluoai_uninterleave: ACT_SWIGLUOAI}
+                   Activation.swigluoai: ACT_SWIGLUOAI, Activation.swigluoai_uninterleave: ACT_SWIGLUOAI,
+                   Activation.silu_no_mul: ACT_SILU, Activation.gelu_no_mul: ACT_GELU,
+                   Activation.relu2_no_mul: ACT_RELU2}
+# K step of the LoRA shrink: its N is the rank, so the K loop is all its work and its latency at small M
+# (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
+_SHRINK_BLOCK_K = 128
 
 
 def _scheme_flags(scheme: Scheme) -> dict:
@@ -44,6 +55,37 @@ def _launch_kwargs(g: GemmConfig) -> dict:
                 num_stages=g.num_stages)
 
 
+def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots_per_row: int, num_slots: int,
+                 align, rank_pad: int) -> torch.Tensor:
+    """[num_slots, rank_pad] = scaling * a[slot // slots_per_row] . lora_a[expert of slot]^T, in a's dtype."""
+    out = torch.empty(num_slots, rank_pad, dtype=a.dtype, device=a.device)
+    lora_shrink_kernel[(align.num_blocks,)](
+        a, lora_a, out, align.sorted_ids, align.expert_ids, align.num_post_padded,
+        num_slots, a.shape[1], lora_a.shape[1], slots_per_row, scaling,
+        a.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        LORA_R=rank_pad, BLOCK_M=align.block_m, BLOCK_K=_SHRINK_BLOCK_K)
+    return out
+
+
+def _lora_epilogue_kwargs(a: torch.Tensor, lora: Optional[LoRAWeights], *, gemm: int, slots_per_row: int,
+                          num_slots: int, align, dummy: torch.Tensor) -> dict:
+    """LoRA keyword arguments of GEMM `gemm` (1 or 2); with adapters, first runs the shrink on its input `a`.
+
+    The rank is padded to a power of two >= 16 for tl.dot; the kernels read the adapters masked,
+    so no zero-padded copy is made. By keyword: these follow the constexprs in the signatures.
+    """
+    if lora is None:
+        return dict(lora_shrink_ptr=dummy, lora_b_ptr=dummy, lora_rank=0, stride_lsm=0, stride_lbe=0, stride_lbn=0,
+                    HAS_LORA=False, LORA_R=16)
+    rank_pad = max(16, triton.next_power_of_2(lora.rank))
+    lora_a, lora_b = (lora.w13_lora_a, lora.w13_lora_b) if gemm == 1 else (lora.w2_lora_a, lora.w2_lora_b)
+    lora_b = lora_b.contiguous()
+    shrunk = _lora_shrink(a, lora_a.contiguous(), scaling=lora.scaling, slots_per_row=slots_per_row,
+                          num_slots=num_slots, align=align, rank_pad=rank_pad)
+    return dict(lora_shrink_ptr=shrunk, lora_b_ptr=lora_b, lora_rank=lora.rank, stride_lsm=shrunk.stride(0),
+                stride_lbe=lora_b.stride(0), stride_lbn=lora_b.stride(1), HAS_LORA=True, LORA_R=rank_pad)
+
+
 def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, activation: Activation,
               quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
@@ -56,6 +98,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     `remote_slots`: topk_ids may hold -1 (expert on another rank under EP). moe_align drops
     those slots, so the kernels never write their rows; the buffers then start zeroed so the
     rows are neutral for the intermediate's scales and the top-k sum. Off EP they stay empty.
+    `weights.lora`, when set, adds its deltas; x_q is then unquantised (build refuses LoRA otherwise).
     """
     alloc = torch.zeros if remote_slots else torch.empty
     scheme = weights.scheme
@@ -70,6 +113,8 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     dummy = weights.w13
     bias13 = weights.w13_bias if weights.has_bias else dummy
     bias2 = weights.w2_bias if weights.has_bias else dummy
+    lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
+                                  dummy=dummy)
 
     inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
     s13_e, s13_n = _scale_strides(weights.w13_scale)
@@ -83,8 +128,11 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s13_e, s13_n, bias13.stride(0), inter.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **flags, **_launch_kwargs(g1))
+        **flags, **_launch_kwargs(g1), GATED=weights.gated, **lora1)
 
+    # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
+    lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,
+                                  dummy=dummy)
     inter_q, inter_scale = quantize_intermediate(inter)
     out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
     s2_e, s2_n = _scale_strides(weights.w2_scale)
@@ -96,7 +144,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         T * k, align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s2_e, s2_n, bias2.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2))
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2), **lora2)
     return out.view(T, k, H).sum(dim=1) if k > 1 else out
 
 

@@ -7,7 +7,7 @@ import torch
 
 from moerules import build, decide
 from moerules.errors import KernelUnavailableError
-from moerules.kernels import make_random_weights
+from moerules.kernels import make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
 from moerules.run import run_example
 
@@ -63,3 +63,37 @@ def test_run_example_reports_checksum_and_error():
     report = run_example(decide(config(SMALL, platform=CPU)), num_tokens=3, seed=0, device="cpu")
     assert report["kernel_id"] == "torch.reference" and report["num_tokens"] == 3
     assert report["checksum"] != 0 and report["rel_err_vs_reference"] < 1e-6
+
+
+def _lora(decision, rank=4):
+    c = decision.config
+    return make_random_lora(num_experts=c.model.num_experts, hidden=c.model.hidden_size,
+                            intermediate=c.intermediate_per_partition, rank=rank, in_dtype=c.model.in_dtype, seed=7,
+                            device="cpu")
+
+
+def test_lora_weights_need_a_decision_made_for_lora():
+    decision = decide(config(SMALL, platform=CPU))
+    weights = weights_for(decision)
+    weights.lora = _lora(decision)
+    with pytest.raises(KernelUnavailableError) as info:
+        build(decision, weights)
+    assert str(info.value) == ("the weights carry LoRA adapters but the decision was made without features.lora, so "
+                               "its backend 'torch_reference' was not chosen to apply them; decide again with "
+                               "features.lora=true")
+
+
+def test_a_lora_decision_builds_without_adapters_and_takes_them_later():
+    decision = decide(config(SMALL, platform=CPU, features={"lora": True}))
+    layer = build(decision, weights_for(decision))
+    base = run_forward(layer, num_tokens=5, seed=1, device="cpu")
+    layer.set_lora(_lora(decision))
+    with_lora = run_forward(layer, num_tokens=5, seed=1, device="cpu")
+    assert with_lora["lora_rank"] == 4 and with_lora["rel_err_vs_reference"] < 1e-6
+    assert with_lora["checksum"] != base["checksum"]
+
+
+def test_run_example_with_lora_runs_adapters():
+    report = run_example(decide(config(SMALL, platform=CPU, features={"lora": True})), num_tokens=3, seed=0,
+                         device="cpu")
+    assert report["lora_rank"] == 8 and report["rel_err_vs_reference"] < 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moerules.activation import Activation, Dtype
-from moerules.kernels import build_layer, make_random_weights
+from moerules.kernels import build_layer, make_random_lora, make_random_weights
 from moerules.kernels.reference import moe_reference
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE
@@ -17,9 +17,13 @@ TRITON_DTYPE = Dtype.bf16 if torch.cuda.is_available() else Dtype.fp16
 
 
 def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activation.silu, dtype=Dtype.fp16,
-               E=8, H=160, I=96, bias=False, seed=0, device="cpu", **kw):
+               E=8, H=160, I=96, bias=False, seed=0, device="cpu", lora_rank=0, **kw):
+    """A layer on seeded random weights (gated as `activation` is), with random LoRA adapters if lora_rank."""
     w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_of(cell), in_dtype=dtype,
-                            has_bias=bias, seed=seed, device=device)
+                            has_bias=bias, seed=seed, device=device, gated=activation.gated)
+    if lora_rank:
+        w.lora = make_random_lora(num_experts=E, hidden=H, intermediate=I, rank=lora_rank, in_dtype=dtype,
+                                  gated=activation.gated, seed=seed + 100, device=device)
     return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell), activation=activation,
                        in_dtype=dtype, activation_format="standard", weights=w, device=device, **kw)
 

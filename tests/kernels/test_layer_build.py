@@ -35,7 +35,8 @@ def _build(**overrides):
     (dict(prepare_finalize_id="deepep"), r"^torch\.reference: unknown prepare/finalize id 'deepep'"),
     (dict(activation_format="batched"), r"activation format 'batched' requested"),
     (dict(quant=QuantConfig(family=QuantFamily.mxfp4_w4a16)), r"'mxfp4_w4a16' has no kernel"),
-    (dict(activation=Activation.relu2_no_mul), r"activation 'relu2_no_mul' is not supported"),
+    (dict(activation=Activation.relu2_no_mul), r"activation 'relu2_no_mul' needs w13 with I rows, but the weights "
+                                               r"are gated"),
     (dict(kernel_id="torch.grouped_mm", quant=quant_of("int8_w8a8/channel/token"),
           weights=_weights("int8_w8a8/channel/token")), r"scheme 'int8_w8a8/channel/token' is not supported"),
     (dict(quant=quant_of("fp8_w8a8/channel/token")), r"weights are unquantized/bf16 but the layer asks for "
@@ -192,3 +193,26 @@ def test_run_forward_reports_small_error():
     assert r["kernel_id"] == "triton.fused_moe" and r["all_finite"]
     assert r["rel_err_vs_reference"] < 1e-2
     assert r == run_forward(layer, num_tokens=6, seed=3, device=DEVICE)  # seeded: the same summary again
+
+
+@pytest.mark.parametrize("intermediate,pad", [(96, 32), (128, 64)])
+def test_block128_halves_padding_keeps_scale_blocks(intermediate, pad):
+    """Padding moves the up half from row I to I + pad; both must sit on 128-row scale blocks."""
+    w = make_random_weights(num_experts=2, hidden=64, intermediate=intermediate, quant=quant_of("fp8_w8a16/block128"),
+                            in_dtype=Dtype.bf16, has_bias=False, seed=0, device="cpu")
+    with pytest.raises(KernelBuildError, match=rf"^torch\.reference: block128 weights with intermediate {intermediate} "
+                                               rf"cannot be padded by {pad}: the up half would move from row "
+                                               rf"{intermediate} to row {intermediate + pad} and straddle a 128-row "
+                                               r"scale block \(both must be multiples of 128\)$"):
+        build_layer(kernel_id="torch.reference", prepare_finalize_id="local", quant=quant_of("fp8_w8a16/block128"),
+                    activation=Activation.silu, in_dtype=Dtype.bf16, activation_format="standard", weights=w,
+                    device="cpu", intermediate_pad=pad)
+
+
+def test_block128_halves_padding_by_whole_blocks_is_exact():
+    kw = dict(activation=Activation.silu, dtype=Dtype.bf16, E=4, H=64, I=128)
+    plain = make_layer("torch.reference", "fp8_w8a16/block128", **kw)
+    padded = make_layer("torch.reference", "fp8_w8a16/block128", **kw, intermediate_pad=128)
+    assert padded.weights.w13_scale.shape == (4, 4, 1)  # gate block, its pad block, up block, its pad block
+    x, ids, tw = random_inputs(plain, 7, 2)
+    assert rel_err(padded(x, topk_ids=ids, topk_weights=tw), plain(x, topk_ids=ids, topk_weights=tw).double()) < 1e-6

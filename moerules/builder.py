@@ -38,10 +38,6 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
-    if weights.lora is not None and not decision.config.features.lora:
-        raise KernelUnavailableError(
-            f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
-            f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
     for component, kernel, package in (("experts backend", decision.kernel, decision.external_package),
                                        ("prepare/finalize", decision.prepare_finalize_kernel, None)):
         if kernel is None:
@@ -50,6 +46,10 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                 f"{component} {name!r} is an external kernel from package {package or 'external'!r}; moerules "
                 "decided it for this platform but does not ship it. Install the package and call it, or pin "
                 f"one of our backends (features.backend), e.g. {', '.join(decision.alternatives) or 'triton'}")
+    if weights.lora is not None and not decision.config.features.lora:
+        raise KernelUnavailableError(
+            f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
+            f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
     try:
         from moerules.kernels import KernelBuildError, build_layer
     except ImportError as error:

@@ -1,0 +1,100 @@
+"""The decisions the default rules produce on one platform, reduced to what a build depends on.
+
+Configs: every model preset x every quant scheme of the decision matrix x LoRA on/off x
+packages (ours only, or every package) x parallel (single GPU, TP=2) x explicit pins of our
+backends, plus the non-gated activations on a Mixtral-like model. Each is decided with the
+real model shapes; decisions that build the same layer collapse into one `BuildCase`, which
+is then built on tiny weights of the same alignment class (see `tiny_dims`).
+
+Expert parallelism (dispatchers other than `local`) is walked by tests/ep with real process
+groups; here every parallel config keeps the local dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from moerules import decide
+from moerules.config import MoEConfig, Package
+from moerules.decision import Decision, Outcome
+from moerules.errors import BackendRejectedError
+from moerules.engine.matrix import QUANTS
+from moerules.presets import PRESETS
+
+OUR_BACKENDS = ("triton", "batched_triton", "torch_grouped_mm", "torch_reference")
+PARALLELS = ({}, {"tp": 2})
+NON_GATED = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")
+
+
+@dataclass(frozen=True)
+class BuildCase:
+    """Everything of a decision that changes the layer `build` makes (shapes reduced by `tiny_dims`)."""
+
+    decision: Decision
+
+    @property
+    def key(self) -> tuple:
+        d, m = self.decision, self.decision.config.model
+        q = d.config.quant
+        return (d.kernel, d.prepare_finalize_kernel, q.family.value, str(q.weight_key), str(q.activation_key),
+                m.activation.value, m.in_dtype.value, m.has_bias, d.config.features.lora, d.padding.hidden_pad,
+                d.padding.intermediate_pad, d.quant.weight_block, d.quant.defer_input_quant,
+                tiny_dims(d.config))
+
+    def __str__(self) -> str:
+        d, m = self.decision, self.decision.config.model
+        return (f"{d.backend}[{d.config.quant.family.value}/{m.activation.value}/{m.in_dtype.value}"
+                f"{'/bias' if m.has_bias else ''}{'/lora' if d.config.features.lora else ''}"
+                f"/pad{d.padding.hidden_pad}+{d.padding.intermediate_pad}]")
+
+
+def tiny_dims(config: MoEConfig) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate per partition) small enough for the interpreter.
+
+    Dimensions stay congruent modulo 256 to the real ones (4096 -> 256, 2880 -> 320, 1440 -> 416),
+    so every alignment the rules and kernels test (32, 64, 128, 256) holds or fails alike, and
+    the decision's pads bring them to the same multiples.
+    """
+    m = config.model
+    return (min(m.num_experts, 16), 256 + m.hidden_size % 256, 256 + config.intermediate_per_partition % 256)
+
+
+def configs(platform: dict, in_dtype: str) -> Iterator[MoEConfig]:
+    all_packages = [p.value for p in Package]
+    for name, preset in PRESETS.items():
+        model = {**preset["model"], "in_dtype": in_dtype}
+        for quant in QUANTS:
+            for lora in (False, True):
+                for packages in (["triton"], all_packages):
+                    for parallel in PARALLELS:
+                        for pin in ("auto",) + OUR_BACKENDS:
+                            yield _config(model, quant, platform, packages, parallel, lora, pin)
+    mixtral = {**PRESETS["mixtral-8x7b"]["model"], "in_dtype": in_dtype}
+    for activation in NON_GATED:
+        for quant in QUANTS:
+            yield _config({**mixtral, "activation": activation}, quant, platform, ["triton"], {}, False, "auto")
+
+
+def _config(model, quant, platform, packages, parallel, lora, pin) -> MoEConfig:
+    return MoEConfig(model=model, quant=quant, platform={**platform, "packages": packages}, parallel=parallel,
+                     features={"lora": lora, "backend": pin})
+
+
+def build_cases(platform: dict, in_dtype: str) -> tuple[list[BuildCase], list[Decision]]:
+    """(distinct buildable cases of our kernels, decisions naming an external kernel)."""
+    ours: dict[tuple, BuildCase] = {}
+    external: dict[tuple, Decision] = {}
+    for config in configs(platform, in_dtype):
+        try:
+            decision = decide(config)
+        except BackendRejectedError:  # a pin the rules reject is an error, not a decision to build
+            continue
+        if decision.outcome != Outcome.selected:
+            continue
+        if decision.kernel is None or decision.prepare_finalize_kernel is None:
+            external.setdefault((decision.backend, decision.prepare_finalize), decision)
+            continue
+        case = BuildCase(decision)
+        ours.setdefault(case.key, case)
+    return list(ours.values()), list(external.values())

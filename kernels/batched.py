@@ -75,11 +75,13 @@ def to_batched(rows: torch.Tensor, source_rows: torch.Tensor, layout: BatchedLay
 
 
 def from_batched(expert_out: torch.Tensor, layout: BatchedLayout, topk_weights: torch.Tensor) -> torch.Tensor:
-    """[E, max_tokens, H] unweighted expert rows -> [T, H]: sum over k of topk_weight * row, in fp32, one rounding."""
+    """[E, max_tokens, H] unweighted expert rows -> [T, H]: sum over k of topk_weight * row, in fp32 (or wider),
+    one rounding."""
     T, k = topk_weights.shape
     H = expert_out.shape[-1]
-    slots = expert_out.reshape(-1, H)[layout.dest].view(T, k, H)
-    return (slots.float() * topk_weights.float()[..., None]).sum(dim=1).to(expert_out.dtype)
+    acc = torch.promote_types(expert_out.dtype, torch.float32)
+    slots = expert_out.reshape(-1, H)[layout.dest].view(T, k, H).to(acc)
+    return (slots * topk_weights.to(acc)[..., None]).sum(dim=1).to(expert_out.dtype)
 
 
 class LocalBatchedPrepareFinalize(LocalPrepareFinalize):

@@ -44,10 +44,11 @@ class PreparedInput:
     (batched format only). handle: whatever the dispatcher must remember between dispatch and
     combine (split sizes, permutations); opaque to the experts.
 
-    Batched format, exactly: row r of expert e is valid iff r < expert_num_tokens[e] (on the device;
-    nobody syncs to read it); rows past the count are padding with undefined contents (NaN included)
-    that must never reach an output. a_scale is None, [1] (per tensor), [E_local, max_tokens] (per
-    token) or [E_local, max_tokens, cdiv(H, 128)] (per 1x128 group), each contiguous. topk_ids /
+    Batched format, exactly: hidden_q [E_local, max_tokens, H] with a contiguous last dimension; row r
+    of expert e is valid iff r < expert_num_tokens[e] (int32 on the device; the Triton experts never
+    read it on the host); rows past the count are padding with undefined contents (NaN included) that
+    must never reach an output. a_scale is None, [1] (per tensor), [E_local, max_tokens] (per token)
+    or [E_local, max_tokens, cdiv(H, 128)] (per 1x128 group), each contiguous. topk_ids /
     topk_weights stay the rank's own routing [T, k] (global expert ids), for the finalize.
     """
 

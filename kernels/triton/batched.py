@@ -9,8 +9,8 @@ GEMM1 computes act(gate) * up with the scales, bias and activation device functi
 fused_moe.py. When the scheme re-quantises the intermediate with a dynamic scale, it also folds the
 absolute max of the values it stores (after the rounding to in_dtype, as the reference quantises
 them) into an amax buffer with atomic max: per tensor, per row, or per row and 1x128 group. The
-re-quantisation is then one elementwise pass over the valid rows: it never reads padding, and a
-per-tensor scale spans exactly the valid rows of all experts.
+re-quantisation is then one elementwise pass over the valid rows (a Triton kernel on CUDA, torch
+elsewhere): it never reads padding, and a per-tensor scale spans exactly the valid rows of all experts.
 GEMM2 adds the bias but no router weight: the batched finalize applies it while it un-batches.
 
 Scale codes are fused_moe.py's (A_SCALE / W_SCALE); AMAX / SCALE use the A_SCALE numbering
@@ -219,9 +219,10 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
     scheme = weights.scheme
     E, M, H = x_q.shape
     I = weights.intermediate
-    if (E, H) != (weights.num_experts, weights.hidden) or expert_num_tokens.shape != (E,):
-        raise ValueError(f"batched input {tuple(x_q.shape)} with counts {tuple(expert_num_tokens.shape)} does not "
-                         f"match weights of {weights.num_experts} experts x hidden {weights.hidden}")
+    if (E, H) != (weights.num_experts, weights.hidden) or expert_num_tokens.shape != (E,) or x_q.stride(2) != 1:
+        raise ValueError(f"batched input {tuple(x_q.shape)} (strides {x_q.stride()}) with counts "
+                         f"{tuple(expert_num_tokens.shape)} does not match weights of {weights.num_experts} experts x "
+                         f"hidden {weights.hidden} with a contiguous hidden dimension")
     out = torch.empty(E, M, H, dtype=out_dtype, device=x_q.device)
     if E == 0 or M == 0:
         return out
@@ -231,7 +232,7 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
     dummy = weights.w13
     bias13 = weights.w13_bias if weights.has_bias else dummy
     bias2 = weights.w2_bias if weights.has_bias else dummy
-    per_tensor_in = flags["A_SCALE"] == 1
+    per_tensor = flags["A_SCALE"] == 1  # one activation scale, input and intermediate alike
     if a_scale is not None:
         a_scale = a_scale.contiguous()
 
@@ -239,11 +240,12 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
     requant = scheme.quantizes_activations
     static = weights.a2_scale is not None
     scale_code = _A_SCALE[scheme.act_granularity]
+    fold = scale_code if requant and not static else 0  # which amax GEMM1 folds (0: none)
     num_groups = triton.cdiv(I, QUANT_BLOCK)
-    amax = _amax_buffer((E, M), num_groups, scale_code, x_q.device) if requant and not static else dummy
+    amax = _amax_buffer((E, M), num_groups, fold, x_q.device) if fold else dummy
     inter = torch.empty(E, M, I, dtype=out_dtype, device=x_q.device)
     interleaved = is_interleaved(activation)
-    a_se, a_sm = _row_scale_strides(a_scale, per_tensor_in)
+    a_se, a_sm = _row_scale_strides(a_scale, per_tensor)
     g1 = cfg.gemm1
     batched_gemm1_kernel[(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(I, g1.BLOCK_N), E)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
@@ -252,14 +254,14 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
         x_q.stride(0), x_q.stride(1), a_se, a_sm, weights.w13.stride(0), weights.w13.stride(1),
         *_scale_strides(weights.w13_scale), bias13.stride(0), inter.stride(0), inter.stride(1),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation],
-        AMAX=scale_code if requant and not static else 0, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1))
+        AMAX=fold, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1))
 
     inter_q, inter_scale = inter, None
     if requant:
         inter_scale = weights.a2_scale.float().reshape(1) if static else _scale_from_amax(amax, scheme.act_torch_dtype)
         inter_q = _quantize_rows(inter, inter_scale, counts, scale_code, scheme.act_torch_dtype, cfg.BLOCK_M)
 
-    i_se, i_sm = _row_scale_strides(inter_scale, per_tensor_in)
+    i_se, i_sm = _row_scale_strides(inter_scale, per_tensor)
     g2 = cfg.gemm2
     batched_gemm2_kernel[(triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(H, g2.BLOCK_N), E)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,

@@ -6,7 +6,9 @@
 
 Phase `batched` times `triton.batched_moe` behind `local_batched` against `triton.fused_moe` behind
 `local`, same boundary and protocol (graph mode), on Mixtral and DeepSeek-V3 at BATCHED_M_LIST; the
-batched layer includes its scatter into [E, M, H] (max_tokens = M) and the weighted gather back.
+batched layer includes its scatter into [E, M, H] (max_tokens = M) and the weighted gather back. It also
+times the experts alone (Experts.apply on an input prepared outside the timed region): what a batching
+dispatcher (DeepEP LL, our batched all2all) pays on top of its own communication.
 
 Boundary for every backend (reference doc section 4): x [M, H] in in_dtype plus topk_ids /
 topk_weights in, [M, H] out; routing is outside the timed region; each backend sorts, quantises
@@ -409,23 +411,37 @@ class Bench:
                         try:
                             row[f"{lname}_graph_us"] = self.time_us(
                                 lambda: layer(x, topk_ids=ids, topk_weights=tw), graph=True)
+                            row[f"{lname}_experts_us"] = self.time_us(self.experts_call(layer, x, ids, tw), graph=True)
                         except torch.OutOfMemoryError:
                             self.log(f"OOM {name} {sname} {lname} M={M}")
                         gc.collect()
                         if not self.smoke:
                             torch.cuda.empty_cache()
-                    if "fused_graph_us" in row and "batched_graph_us" in row:
-                        row["batched_over_fused"] = row["batched_graph_us"] / row["fused_graph_us"]
+                    for what in ("graph", "experts"):
+                        if f"fused_{what}_us" in row and f"batched_{what}_us" in row:
+                            row[f"{what}_ratio"] = row[f"batched_{what}_us"] / row[f"fused_{what}_us"]
                     rows.append(row)
                     self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
                     self.results["batched"] = rows
                     self.save()
-        lines = ["| model | scheme | M | fused µs | batched µs | batched / fused |", "|" + "---|" * 6]
+        cols = ("fused_graph_us", "batched_graph_us", "graph_ratio", "fused_experts_us", "batched_experts_us",
+                "experts_ratio")
+        lines = ["| model | scheme | M | layer: fused µs | batched µs | batched / fused | experts only: fused µs "
+                 "| batched µs | batched / fused |", "|" + "---|" * 9]
         for r in rows:
-            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | {r.get('fused_graph_us', float('nan')):.1f} | "
-                         f"{r.get('batched_graph_us', float('nan')):.1f} | {r.get('batched_over_fused', float('nan')):.2f} |")
+            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | " +
+                         " | ".join(format(r.get(c, float("nan")), ".2f" if "ratio" in c else ".1f") for c in cols) + " |")
         (self.out / "batched.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
+
+    @staticmethod
+    def experts_call(layer, x, ids, tw):
+        """The experts of `layer` alone, on an input prepared once outside the timed region."""
+        p = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
+                                           a13_scale=layer.weights.a13_scale)
+        counts = {} if p.expert_num_tokens is None else {"expert_num_tokens": p.expert_num_tokens}
+        return lambda: layer.experts.apply(p.hidden_q, weights=layer.weights, topk_ids=p.topk_ids,
+                                           topk_weights=p.topk_weights, a_scale=p.a_scale, **counts)
 
     def write_tables(self, rows):
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("model", "scheme", "M"), k))

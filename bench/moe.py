@@ -429,8 +429,8 @@ class Bench:
         lines = ["| model | scheme | M | layer: fused µs | batched µs | batched / fused | experts only: fused µs "
                  "| batched µs | batched / fused |", "|" + "---|" * 9]
         for r in rows:
-            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | " +
-                         " | ".join(format(r.get(c, float("nan")), ".2f" if "ratio" in c else ".1f") for c in cols) + " |")
+            cells = [format(r.get(c, float("nan")), ".2f" if "ratio" in c else ".1f") for c in cols]
+            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | " + " | ".join(cells) + " |")
         (self.out / "batched.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 

@@ -32,7 +32,7 @@ from ..activations import is_interleaved
 from ..quantize import _scale_from_amax, cast_saturated, qmax
 from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
-from .config import MoEConfig, batched_config
+from .config import MoEConfig, batched_config, check_batched_config
 from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _mma, _step_scales, _tile_coords
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
 
@@ -227,6 +227,7 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
     if E == 0 or M == 0:
         return out
     cfg = config or batched_config(num_tokens=num_tokens, num_experts=E, top_k=top_k, max_tokens=M, scheme=scheme)
+    check_batched_config(cfg, scheme)  # an override too: the group amax needs GEMM1 tiles inside one group
     counts = expert_num_tokens.to(torch.int32).contiguous()
     flags = _kernel_flags(weights)
     dummy = weights.w13

@@ -1,7 +1,14 @@
 """Fused-MoE evidence on a GPU: ceilings, correctness of every scheme, config tuning, and timings.
 
     python bench/moe.py --phase all --out DIR          # on the H100 (see bench/results/README.md)
+    python bench/moe.py --phase batched --out DIR      # batched vs standard Triton experts only
     TRITON_INTERPRET=1 python bench/moe.py --smoke     # tiny CPU dry run of the same code paths
+
+Phase `batched` times `triton.batched_moe` behind `local_batched` against `triton.fused_moe` behind
+`local`, same boundary and protocol (graph mode), on Mixtral and DeepSeek-V3 at BATCHED_M_LIST; the
+batched layer includes its scatter into [E, M, H] (max_tokens = M) and the weighted gather back. It also
+times the experts alone (Experts.apply on an input prepared outside the timed region): what a batching
+dispatcher (DeepEP LL, our batched all2all) pays on top of its own communication.
 
 Boundary for every backend (reference doc section 4): x [M, H] in in_dtype plus topk_ids /
 topk_weights in, [M, H] out; routing is outside the timed region; each backend sorts, quantises
@@ -28,6 +35,7 @@ import torch
 from moerules.activation import Activation, Dtype
 from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
+from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
@@ -65,6 +73,9 @@ M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
 FEATURE_CASES = [("lora", "unquantized"), ("lora", "fp8_w8a16/channel"), ("relu2_no_mul", "unquantized"),
                  ("relu2_no_mul", "fp8_w8a8/block128/group128")]
 FEATURE_LORA_RANK = 16
+# local_batched allocates E x M rows per batch (DeepSeek-V3 at M=1024: 3.7 GB for the bf16 output alone).
+BATCHED_M_LIST = [1, 16, 64, 256, 1024]
+BATCHED_MODELS = ("mixtral-8x7b", "deepseek-v3", "tiny")
 TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w8a8": 3e-2}
 
 
@@ -153,10 +164,13 @@ class Bench:
         return self._weights_cache[key]
 
     def layer(self, name: str, cell: str, kernel_id: str):
+        """kernel_id behind `local`, or behind `local_batched` when its experts take the batched format."""
         m = self.models[name]
-        return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell),
-                           activation=m.activation, in_dtype=self.in_dtype, activation_format="standard",
-                           weights=self.weights(name, cell), device=self.device, routing=RoutingConfig(top_k=m.k))
+        fmt = EXPERTS[kernel_id].activation_format
+        return build_layer(kernel_id=kernel_id, prepare_finalize_id="local_batched" if fmt == "batched" else "local",
+                           quant=quant_of(cell), activation=m.activation, in_dtype=self.in_dtype,
+                           activation_format=fmt, weights=self.weights(name, cell), device=self.device,
+                           routing=RoutingConfig(top_k=m.k))
 
     def inputs(self, name: str, M: int, seed: int = 1):
         m = self.models[name]
@@ -174,11 +188,13 @@ class Bench:
             model_cells = cells if name in ("qwen3-30b-a3b", "tiny", "tiny-oss") else \
                 ["unquantized", "fp8_w8a8/channel/token", "fp8_w8a8/block128/group128"]
             for cell in model_cells:
-                for kernel_id in ("triton.fused_moe", "torch.grouped_mm"):
+                for kernel_id in ("triton.fused_moe", "triton.batched_moe", "torch.grouped_mm"):
+                    if kernel_id == "triton.batched_moe" and cell not in EXPERTS[kernel_id].cells:
+                        continue  # INT8 / MX: refused at build by design (tests/kernels/test_batched.py)
                     try:
                         layer = self.layer(name, cell, kernel_id)
                     except KernelBuildError as exc:
-                        if kernel_id == "triton.fused_moe":
+                        if kernel_id.startswith("triton."):
                             rows.append({"model": name, "cell": cell, "kernel": kernel_id, "error": str(exc)})
                             self.log(f"BUILD FAIL {name} {cell} {exc}")
                         continue
@@ -407,6 +423,53 @@ class Bench:
                     self.save()
         self.write_tables(rows)
 
+    def batched(self):
+        """triton.batched_moe (behind local_batched) vs triton.fused_moe (behind local): graph-mode µs and ratio."""
+        rows = []
+        ms = self.ms if self.smoke else [m for m in self.args.ms if m in BATCHED_M_LIST] or BATCHED_M_LIST
+        for name in [n for n in self.models if n in BATCHED_MODELS]:
+            for sname in self.timed_schemes(name):
+                cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
+                layers = {k: self.layer(name, cell, f"triton.{k}_moe") for k in ("fused", "batched")}
+                for M in ms:
+                    x, ids, tw = self.inputs(name, M)
+                    row = {"model": name, "scheme": sname, "M": M}
+                    for lname, layer in layers.items():
+                        try:
+                            row[f"{lname}_graph_us"] = self.time_us(
+                                lambda: layer(x, topk_ids=ids, topk_weights=tw), graph=True)
+                            row[f"{lname}_experts_us"] = self.time_us(self.experts_call(layer, x, ids, tw), graph=True)
+                        except torch.OutOfMemoryError:
+                            self.log(f"OOM {name} {sname} {lname} M={M}")
+                        gc.collect()
+                        if not self.smoke:
+                            torch.cuda.empty_cache()
+                    for what in ("graph", "experts"):
+                        if f"fused_{what}_us" in row and f"batched_{what}_us" in row:
+                            row[f"{what}_ratio"] = row[f"batched_{what}_us"] / row[f"fused_{what}_us"]
+                    rows.append(row)
+                    self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+                    self.results["batched"] = rows
+                    self.save()
+        cols = ("fused_graph_us", "batched_graph_us", "graph_ratio", "fused_experts_us", "batched_experts_us",
+                "experts_ratio")
+        lines = ["| model | scheme | M | layer: fused µs | batched µs | batched / fused | experts only: fused µs "
+                 "| batched µs | batched / fused |", "|" + "---|" * 9]
+        for r in rows:
+            cells = [format(r.get(c, float("nan")), ".2f" if "ratio" in c else ".1f") for c in cols]
+            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | " + " | ".join(cells) + " |")
+        (self.out / "batched.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+
+    @staticmethod
+    def experts_call(layer, x, ids, tw):
+        """The experts of `layer` alone, on an input prepared once outside the timed region."""
+        p = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
+                                           a13_scale=layer.weights.a13_scale)
+        counts = {} if p.expert_num_tokens is None else {"expert_num_tokens": p.expert_num_tokens}
+        return lambda: layer.experts.apply(p.hidden_q, weights=layer.weights, topk_ids=p.topk_ids,
+                                           topk_weights=p.topk_weights, a_scale=p.a_scale, **counts)
+
     def write_tables(self, rows):
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("model", "scheme", "M"), k))
         with open(self.out / "bench.csv", "w", newline="") as f:
@@ -433,7 +496,7 @@ class Bench:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", default="all", choices=["all", "correctness", "tune", "bench"])
+    p.add_argument("--phase", default="all", choices=["all", "correctness", "tune", "bench", "batched"])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--ms", nargs="+", type=int, default=M_LIST)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -453,6 +516,8 @@ def main(argv=None):
         b.tune()
     if args.phase in ("all", "bench"):
         b.bench()
+    if args.phase in ("all", "batched"):
+        b.batched()
     b.save()
 
 

@@ -26,12 +26,14 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
                 timeout_s: Optional[float] = None) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
-    kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference").
-    prepare_finalize_id: "local", "allgather_reducescatter", "all2all" or "all2all_batched".
+    kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference"; batched format:
+        "triton.batched_moe", "torch.batched_reference").
+    prepare_finalize_id: "local", "allgather_reducescatter", "all2all" (standard format), "local_batched" or
+        "all2all_batched" (batched format).
     quant / activation / in_dtype: the scheme, activation and compute dtype; `weights` must already
         be in that scheme (see `make_random_weights` / `quantize_weights`), gated exactly when the
         activation is, and may carry LoRA adapters (`weights.lora`) if the experts apply them.
-    activation_format: "standard" (or "batched", which no registered kernel implements yet).
+    activation_format: "standard" or "batched"; the experts and the prepare/finalize must both produce it.
     hidden_pad / intermediate_pad: zero columns added to H / I (weights are padded in place, once;
         inputs are padded and outputs cut back to the logical hidden size).
     routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
@@ -55,6 +57,9 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, f"prepare/finalize {prepare_finalize_id!r} produces "
                                           f"{pf_spec.activation_format!r} activations, the experts take "
                                           f"{spec.activation_format!r}")
+    refusal = spec.refused_families.get(quant.family)
+    if refusal:
+        raise KernelBuildError(kernel_id, refusal)
     try:
         scheme = Scheme.from_quant(quant)
     except UnsupportedScheme as exc:
@@ -101,7 +106,7 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     except ValueError as exc:
         raise KernelBuildError(kernel_id, str(exc)) from None
     pf = pf_class(scheme=scheme, hidden_pad=hidden_pad, quantizes_inputs=not defer_input_quant, comm=comm,
-                  placement=placement)
+                  placement=placement, num_local_experts=weights.num_experts)
     experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
                     routing=routing, num_experts=placement.num_experts if placement else weights.num_experts)

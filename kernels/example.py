@@ -7,6 +7,7 @@ from typing import Union
 import torch
 
 from .layer import MoELayer
+from .prepare_finalize import LocalPrepareFinalize
 from .reference import moe_reference
 from .routing import fused_topk
 from .scheme import TORCH_DTYPE
@@ -31,7 +32,9 @@ def run_forward(layer: MoELayer, *, num_tokens: int, seed: int, device: Union[st
         topk_ids, topk_weights = fused_topk(logits, top_k=top_k, renormalize=True)
     out = layer(x, topk_ids=topk_ids, topk_weights=topk_weights)
 
-    pf = layer.prepare_finalize
+    # The standard local path quantises the input as every dispatcher must (once, on [T, H]), so it is the
+    # yardstick whatever the layer's activation format.
+    pf = LocalPrepareFinalize(scheme=w.scheme, hidden_pad=layer.prepare_finalize.hidden_pad)
     prepared = pf.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights, defer_input_quant=False,
                           a13_scale=w.a13_scale)
     ref = moe_reference(prepared.hidden_q, weights=w, topk_ids=topk_ids, topk_weights=topk_weights,

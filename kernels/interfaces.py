@@ -4,6 +4,12 @@
   Experts.apply             hidden states -> per-token expert output (already top-k reduced)
   PrepareFinalize.finalize  expert output -> layer output (combine, un-pad)
 
+Two activation formats; the prepare/finalize and the experts of a layer must agree (build_layer checks):
+  standard  hidden_q [T, Hp] plus top-k; `Experts.apply` returns [T, Hp], router-weighted and summed over k.
+  batched   hidden_q [E_local, max_tokens, Hp] plus `expert_num_tokens`; `BatchedExperts.apply` returns
+            [E_local, max_tokens, Hp] *unweighted*; the batched finalize applies the router weights and sums
+            over k while it un-batches (see BatchedExperts).
+
 Everything between components that could be swapped silently (topk ids and weights,
 scales, biases) is passed by keyword only.
 """
@@ -18,7 +24,7 @@ import torch
 
 from moerules.activation import Activation
 
-from .quantize import quantize_activation
+from .quantize import quantize_activation, quantize_activation_batched
 from .scheme import Scheme
 from .weights import MoEWeights
 
@@ -37,6 +43,13 @@ class PreparedInput:
     scale (None when unquantised). expert_num_tokens: int32 [E_local], the valid rows per expert
     (batched format only). handle: whatever the dispatcher must remember between dispatch and
     combine (split sizes, permutations); opaque to the experts.
+
+    Batched format, exactly: hidden_q [E_local, max_tokens, H] with a contiguous last dimension; row r
+    of expert e is valid iff r < expert_num_tokens[e] (int32 on the device; the Triton experts never
+    read it on the host); rows past the count are padding with undefined contents (NaN included) that
+    must never reach an output. a_scale is None, [1] (per tensor), [E_local, max_tokens] (per token)
+    or [E_local, max_tokens, cdiv(H, 128)] (per 1x128 group), each contiguous. topk_ids /
+    topk_weights stay the rank's own routing [T, k] (global expert ids), for the finalize.
     """
 
     hidden_q: torch.Tensor
@@ -62,13 +75,15 @@ class PrepareFinalize(ABC):
     needs_expert_placement: ClassVar[bool] = False
 
     def __init__(self, *, scheme: Scheme, hidden_pad: int = 0, quantizes_inputs: bool = True,
-                 comm=None, placement=None):
+                 comm=None, placement=None, num_local_experts: Optional[int] = None):
         self.scheme = scheme
         self.hidden_pad = hidden_pad
         self.quantizes_inputs = quantizes_inputs
         # Expert parallelism (kernels/ep): the process group and where the experts live; None on one device.
         self.comm = comm
         self.placement = placement
+        # Experts the paired weights hold (all of them on one rank); batched dispatchers size E_local by it.
+        self.num_local_experts = num_local_experts
 
     @property
     def remote_expert_ids(self) -> bool:
@@ -142,4 +157,37 @@ class Experts(ABC):
 
         hidden_q is quantised (with a_scale) unless `expects_unquantized_inputs`, in which
         case it is in in_dtype and a_scale is None.
+        """
+
+
+class BatchedExperts(Experts):
+    """Experts over the batched format: one [max_tokens, Hp] batch per local expert.
+
+    `apply` takes the valid-row counts as the keyword `expert_num_tokens` (MoELayer passes
+    `prepared.expert_num_tokens` to batched experts only, so standard experts keep their signature)
+    and returns [E_local, max_tokens, Hp] in in_dtype: row r < expert_num_tokens[e] is expert e applied
+    to hidden_q[e, r] (biases included), NOT multiplied by a router weight; rows past the count may hold
+    anything. A dynamic per-tensor scale, of the input when quantisation is deferred or of the
+    intermediate, spans the valid rows of all experts and never the padding.
+    """
+
+    activation_format: ClassVar[str] = BATCHED
+
+    def gemm1_input(self, hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights,
+                    expert_num_tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The GEMM1 operand: as dispatched, or quantised here (valid rows only) when the dispatcher deferred it."""
+        if self.expects_unquantized_inputs:
+            return quantize_activation_batched(hidden_q, expert_num_tokens=expert_num_tokens,
+                                               dtype=self.scheme.act_torch_dtype,
+                                               granularity=self.scheme.act_granularity,
+                                               static_scale=weights.a13_scale)
+        return hidden_q, a_scale
+
+    @abstractmethod
+    def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor],
+              expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """[E_local, max_tokens, Hp] -> [E_local, max_tokens, Hp] per expert, unweighted (see the class doc).
+
+        topk_ids / topk_weights are the rank's routing, passed for symmetry; batched experts need not read them.
         """

@@ -9,7 +9,7 @@ import torch
 
 from .activations import is_interleaved
 from .errors import KernelBuildError
-from .interfaces import Experts, PrepareFinalize
+from .interfaces import BATCHED, Experts, PrepareFinalize
 from .lora import LoRAWeights, lora_refusal
 from .scheme import TORCH_DTYPE
 from .routing import check_topk_dtypes, fused_topk, grouped_topk, validate_topk
@@ -110,8 +110,14 @@ class MoELayer:
         # The prepare/finalize boundary is where a dispatcher returning its tuple in another order
         # swaps ids and weights (a seed regression); the dtype check costs no sync.
         check_topk_dtypes(topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights)
+        batched = {}
+        if self.experts.activation_format == BATCHED:  # only batched experts take the per-expert counts
+            if prepared.expert_num_tokens is None:
+                raise ValueError(f"{type(self.prepare_finalize).__name__} returned no expert_num_tokens for the "
+                                 f"batched experts {self.kernel_id}")
+            batched["expert_num_tokens"] = prepared.expert_num_tokens
         out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
-                                 topk_weights=prepared.topk_weights, a_scale=prepared.a_scale)
+                                 topk_weights=prepared.topk_weights, a_scale=prepared.a_scale, **batched)
         return self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
 
     __call__ = forward

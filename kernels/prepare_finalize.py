@@ -30,6 +30,13 @@ class LocalPrepareFinalize(PrepareFinalize):
 
     def prepare(self, x: torch.Tensor, *, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 defer_input_quant: bool, a13_scale: Optional[torch.Tensor]) -> PreparedInput:
+        x, a_scale = self.pad_and_quantize(x, defer_input_quant=defer_input_quant, a13_scale=a13_scale)
+        return self.dispatch(PreparedInput(hidden_q=x, a_scale=a_scale, topk_ids=topk_ids,
+                                           topk_weights=topk_weights))
+
+    def pad_and_quantize(self, x: torch.Tensor, *, defer_input_quant: bool,
+                         a13_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[T, H] -> [T, H + hidden_pad], quantised here (once, before any dispatch) unless deferred to the experts."""
         if self.hidden_pad:
             x = torch.nn.functional.pad(x, (0, self.hidden_pad))
         a_scale = None
@@ -37,8 +44,7 @@ class LocalPrepareFinalize(PrepareFinalize):
             x, a_scale = quantize_activation(x, dtype=self.scheme.act_torch_dtype,
                                              granularity=self.scheme.act_granularity,
                                              static_scale=self.activation_scale(x, a13_scale=a13_scale))
-        return self.dispatch(PreparedInput(hidden_q=x, a_scale=a_scale, topk_ids=topk_ids,
-                                           topk_weights=topk_weights))
+        return x, a_scale
 
     def activation_scale(self, x: torch.Tensor, *, a13_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The static scale to quantise x with (None: dynamic, from x itself)."""

@@ -6,6 +6,8 @@ zero (the Triton quant kernel rounds the same way, so both paths give identical 
 
 Scale layouts, by granularity:
   activations [T, K]: tensor -> [1]; token -> [T]; group128 -> [T, cdiv(K, 128)]
+  batched activations [E, M, K] (rows >= count[e] are padding): tensor -> [1]; token -> [E, M];
+    group128 -> [E, M, cdiv(K, 128)]
   weights [E, N, K]:  tensor -> [E]; channel -> [E, N]; block128 -> [E, cdiv(N,128), cdiv(K,128)]
 """
 
@@ -95,6 +97,29 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
     scale = _scale_from_amax(groups.abs().amax(dim=-1), dtype)
     q = cast_saturated(groups / scale[..., None], dtype).flatten(-2)[:, :x.shape[1]]
     return q.contiguous(), scale
+
+
+def quantize_activation_batched(x: torch.Tensor, *, expert_num_tokens: torch.Tensor, dtype: torch.dtype,
+                                granularity: Granularity, static_scale: Optional[torch.Tensor] = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise batched activations [E, M, K] whose rows r >= expert_num_tokens[e] are padding.
+
+    A dynamic per-tensor scale spans the valid rows only (padding may hold garbage or NaN); per-token
+    and group scales are row-local, so padding rows get scales of their own that nobody reads. The
+    padding is still read here: this is the deferred-quantisation path, not the experts' hot path
+    (the Triton batched experts fold the intermediate's amax into GEMM1 instead).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"batched activations must be [experts, max_tokens, hidden], got shape {tuple(x.shape)}")
+    E, M, K = x.shape
+    if granularity == G.tensor and static_scale is None:
+        valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.to(x.device)[:, None]
+        amax = torch.where(valid[..., None], x.float().abs(), 0.0).amax() if x.numel() else \
+            torch.zeros((), device=x.device)
+        static_scale = _scale_from_amax(amax, dtype).reshape(1)
+    q, scale = quantize_activation(x.reshape(E * M, K), dtype=dtype, granularity=granularity,
+                                   static_scale=static_scale)
+    return q.view(E, M, K), (scale if granularity == G.tensor else scale.view(E, M, *scale.shape[1:]))
 
 
 def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, *, granularity: Granularity) -> torch.Tensor:

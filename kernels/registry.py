@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from moerules.activation import Activation, Dtype
+from moerules.quant import QuantFamily
 
-from .activations import ACTIVATIONS
+from .activations import ACTIVATIONS, GATED_ACTIVATIONS
 from .interfaces import BATCHED, STANDARD, Experts, PrepareFinalize
 from .scheme import Scheme, scheme_cells
 from .weights import MoEWeights
@@ -39,6 +40,8 @@ class ExpertsSpec:
     probe: Callable[[Scheme, Dtype, torch.device, MoEWeights], Optional[str]]
     notes: str = ""
     supports_lora: bool = False       # applies `weights.lora` (on unquantised activations only)
+    # Families refused with a reason of their own (a rule's message and the fix), before any cell check.
+    refused_families: dict[QuantFamily, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,15 @@ def _probe_grouped_mm(scheme, in_dtype, device, weights) -> Optional[str]:
     return probe(device.type, TORCH_DTYPE[in_dtype], scaled)
 
 
+_GATED = frozenset(GATED_ACTIVATIONS)
+_BATCHED_TRITON_CELLS = frozenset(cell for cell, s in scheme_cells().items()
+                                  if s.family in (QuantFamily.unquantized, QuantFamily.fp8_w8a8, QuantFamily.fp8_w8a16))
+_USE_STANDARD = "; use triton.fused_moe behind a standard-format prepare/finalize, or an FP8 or unquantised scheme"
+_BATCHED_TRITON_REFUSALS = {
+    **{f: "batched Triton experts have no INT8 path (rule batched_triton.no_int8)" + _USE_STANDARD
+       for f in (QuantFamily.int8_w8a8, QuantFamily.int8_w8a16)},
+    **{f: "batched Triton experts have no MX (micro-scaled) path (rule batched_triton.no_mx)" + _USE_STANDARD
+       for f in (QuantFamily.mxfp4_w4a16, QuantFamily.mxfp8)}}
 EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
@@ -107,6 +119,13 @@ EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("torch.reference", ".reference:TorchReferenceExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}), True, _probe_reference,
                 "any device; fp32 dequantise-then-matmul, one expert at a time", supports_lora=True),
+    ExpertsSpec("triton.batched_moe", ".triton.batched_experts:BatchedTritonExperts", BATCHED,
+                _BATCHED_TRITON_CELLS, _GATED, frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
+                "batched format; CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16",
+                refused_families=_BATCHED_TRITON_REFUSALS),
+    ExpertsSpec("torch.batched_reference", ".batched:BatchedReferenceExperts", BATCHED, ALL_CELLS, _GATED,
+                frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}), True, _probe_reference,
+                "batched format, any device; torch.reference over the valid rows (tests and CPUs)"),
 ]}
 
 PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
@@ -119,6 +138,8 @@ PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
                         "all_to_all_single to the ranks owning each token's experts and back"),
     PrepareFinalizeSpec("all2all_batched", ".ep.all2all_batched:BatchedAll2AllPrepareFinalize", BATCHED,
                         "the all2all exchange delivering [E_local, max_tokens, H] per-expert batches"),
+    PrepareFinalizeSpec("local_batched", ".batched:LocalBatchedPrepareFinalize", BATCHED,
+                        "single rank, no communication; scatters top-k slots into [E, T, H] per-expert batches"),
 ]}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -98,6 +98,27 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
                              eight_bit=scheme.weight_dtype is not None)
     check_config(cfg, scheme)
     return cfg
+
+
+def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:
+    """Heuristic config of the batched experts (no tuned files yet).
+
+    The standard heuristic at the expected rows per local expert, num_tokens * top_k / num_experts
+    with this rank's tokens and experts (under expert parallelism each local expert gathers from every
+    rank, which cancels the smaller E_local), with BLOCK_M no larger than a batch of max_tokens rows needs.
+    """
+    cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
+                         eight_bit=scheme.weight_dtype is not None)
+    cfg = replace(cfg, BLOCK_M=min(cfg.BLOCK_M, max(16, 1 << (max_tokens - 1).bit_length())))
+    check_batched_config(cfg, scheme)
+    return cfg
+
+
+def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
+    """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group."""
+    check_config(cfg, scheme)
+    if scheme.act_granularity == Granularity.group128 and 128 % cfg.gemm1.BLOCK_N:
+        raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 
 
 def check_config(cfg: MoEConfig, scheme: Scheme) -> None:

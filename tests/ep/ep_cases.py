@@ -6,10 +6,9 @@ builds this rank's layer over the gloo group and returns its output, what crosse
 and how often the activations were quantised. `single_device` computes the same tokens on one
 device with the global weights (`local`, torch.reference), per rank.
 
-Test-only kernels, registered in the ranks only:
-  test.batched64   a float64 batched-format experts stand-in for `all2all_batched` (the real
-                   batched experts are written concurrently; after merging switch the batched
-                   cases to torch.batched_reference / triton.batched_moe)
+The batched cases run `torch.batched_reference` experts behind `all2all_batched`.
+
+Test-only kernel, registered in the ranks only:
   test.keep_local  the seed-001 bug: a dispatcher that keeps every token on its rank, so each
                    rank computes only its own experts and nothing is exchanged or reduced
 """
@@ -28,14 +27,11 @@ import moerules
 from moerules.activation import Activation, Dtype
 from moerules.decision import Decision
 from moerules.kernels import build_layer, make_random_weights
-from moerules.kernels.activations import GATED_ACTIVATIONS, apply_activation
 from moerules.kernels.ep import CollectiveError, Placement, PlacementKind, init_distributed, shard_weights
-from moerules.kernels.interfaces import BATCHED, STANDARD, Experts
+from moerules.kernels.interfaces import STANDARD
 from moerules.kernels.prepare_finalize import LocalPrepareFinalize
-from moerules.kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
 from moerules.kernels.reference import moe_reference
-from moerules.kernels.registry import (ALL_CELLS, EXPERTS, PREPARE_FINALIZE, ExpertsSpec, PrepareFinalizeSpec,
-                                       _probe_reference)
+from moerules.kernels.registry import PREPARE_FINALIZE, PrepareFinalizeSpec
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, quant_for_cell
 
@@ -106,8 +102,6 @@ def rank_inputs(case: Case, rank: int):
 
 # -- on the ranks ---------------------------------------------------------------------------
 def register_test_kernels() -> None:
-    EXPERTS["test.batched64"] = ExpertsSpec("test.batched64", "ep_cases:Batched64Experts", BATCHED, ALL_CELLS,
-                                            frozenset(GATED_ACTIVATIONS), frozenset(Dtype), True, _probe_reference)
     PREPARE_FINALIZE["test.keep_local"] = PrepareFinalizeSpec("test.keep_local", "ep_cases:KeepLocalDispatcher",
                                                               STANDARD)
 
@@ -148,20 +142,23 @@ class count_quantizations:
         import moerules.kernels.interfaces as experts_side
         import moerules.kernels.prepare_finalize as dispatcher_side
         self.calls: list[str] = []
-        self.patched = [(dispatcher_side, "prepare"), (experts_side, "experts")]
-        for module, where in self.patched:
-            module.quantize_activation = self._counting(where)
+        self.patched = [(dispatcher_side, "quantize_activation", "prepare"),
+                        (experts_side, "quantize_activation", "experts"),
+                        (experts_side, "quantize_activation_batched", "experts")]
+        self.originals = [getattr(module, name) for module, name, _ in self.patched]
+        for module, name, where in self.patched:
+            setattr(module, name, self._counting(getattr(module, name), where))
         return self.calls
 
-    def _counting(self, where: str):
+    def _counting(self, function, where: str):
         def counted(*args, **kwargs):
             self.calls.append(where)
-            return quantize_activation(*args, **kwargs)
+            return function(*args, **kwargs)
         return counted
 
     def __exit__(self, *exc) -> None:
-        for module, _ in self.patched:
-            module.quantize_activation = quantize_activation
+        for (module, name, _), original in zip(self.patched, self.originals):
+            setattr(module, name, original)
 
 
 def fail_or_forward(case: Case, failing_rank: int, how: str) -> dict:
@@ -222,48 +219,6 @@ def single_device(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 # -- test-only kernels ----------------------------------------------------------------------
-class Batched64Experts(Experts):
-    """Batched-format experts in float64, per expert over all max_tokens rows; output NOT router-weighted."""
-
-    activation_format = BATCHED
-    supports_bias = True
-
-    def apply(self, hidden_q, *, weights, topk_ids, topk_weights, a_scale):
-        E, M, H = hidden_q.shape
-        scheme, gran = weights.scheme, weights.scheme.act_granularity
-        flat, flat_scale = hidden_q.reshape(E * M, H), _flat_scale(a_scale, E * M)
-        flat, flat_scale = self.gemm1_input(flat, a_scale=flat_scale, weights=weights)
-        x = dequantize_activation(flat, flat_scale, granularity=gran) if flat_scale is not None else flat.double()
-        x = x.reshape(E, M, H)
-        out = torch.empty(E, M, weights.hidden, dtype=TORCH_DTYPE[weights.in_dtype])
-        for e in range(E):
-            h = x[e] @ _weight(weights.w13, weights.w13_scale, e, scheme).T
-            if weights.has_bias:
-                h = h + weights.w13_bias[e].double()
-            inter = apply_activation(h, self.activation).to(TORCH_DTYPE[weights.in_dtype])
-            if scheme.quantizes_activations:   # per-row schemes only: padding rows must not share a scale
-                q, s = quantize_activation(inter, dtype=scheme.act_torch_dtype, granularity=gran,
-                                           static_scale=weights.a2_scale)
-                inter = dequantize_activation(q, s, granularity=gran)
-            y = inter.double() @ _weight(weights.w2, weights.w2_scale, e, scheme).T
-            if weights.has_bias:
-                y = y + weights.w2_bias[e].double()
-            out[e] = y.to(out.dtype)
-        return out
-
-
-def _flat_scale(a_scale, rows: int):
-    if a_scale is None or a_scale.dim() == 1:
-        return a_scale                                  # None or the shared [1] scale
-    return a_scale.reshape(rows, *a_scale.shape[2:])     # [E, M] / [E, M, G] -> per row
-
-
-def _weight(w, scale, e: int, scheme) -> torch.Tensor:
-    if scheme.weight_dtype is None:
-        return w[e].double()
-    return dequantize_weight(w[e:e + 1], scale[e:e + 1], granularity=scheme.weight_granularity)[0]
-
-
 class KeepLocalDispatcher(LocalPrepareFinalize):
     """The seed-001 regression: every rank keeps its tokens and runs only its own experts."""
 

@@ -231,7 +231,7 @@ def test_moerules_build_of_a_multi_rank_decision_needs_the_group():
 # -- build refusals over a real 2-rank group -------------------------------------------------
 REFUSALS = {
     "batched needs round robin": (
-        Case(pf="all2all_batched", placement="contiguous", kernel="test.batched64"),
+        Case(pf="all2all_batched", placement="contiguous", kernel="torch.batched_reference"),
         "KernelBuildError: all2all_batched: the batched activation format needs round_robin expert placement "
         "(expert e on rank e % ranks, vLLM's round-robin routing tables), got contiguous; shard with "
         "Placement.round_robin(num_experts, ranks)"),

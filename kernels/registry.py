@@ -38,6 +38,8 @@ class ExpertsSpec:
     # None if runnable here, else the reason and the fix. Called with (scheme, in_dtype, device, weights).
     probe: Callable[[Scheme, Dtype, torch.device, MoEWeights], Optional[str]]
     notes: str = ""
+    # MX: hidden and intermediate (after padding) must be whole 32-element groups.
+    needs_full_mx_groups: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ def _probe_triton(scheme, in_dtype, device, weights) -> Optional[str]:
     major, minor = torch.cuda.get_device_capability(device)
     if scheme.weight_dtype is not None and scheme.weight_dtype.value == "fp8_e4m3" and (major, minor) < (8, 9):
         return f"FP8 needs compute capability >= 8.9, this GPU is sm{major}{minor}"
+    if scheme.k_pack > 1 and major < 8:
+        return f"MXFP4 upcasts to bf16/fp16 MMA with sm80 instructions; this GPU is sm{major}{minor}"
     return None
 
 
@@ -97,7 +101,8 @@ _GATED = frozenset(GATED_ACTIVATIONS)
 EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, _GATED,
                 frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
-                "CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16"),
+                "CUDA GPU (fp8 and MXFP8 need sm89+, MXFP4 sm80+; MX needs hidden and intermediate multiples of 32 "
+                "after padding); CPU only under TRITON_INTERPRET=1 and fp16", needs_full_mx_groups=True),
     ExpertsSpec("torch.grouped_mm", ".grouped_mm:GroupedMMExperts", STANDARD,
                 frozenset({"unquantized", ROWWISE_FP8}), _GATED, frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}),
                 True, _probe_grouped_mm,

@@ -3,6 +3,7 @@
 Layout (logical sizes E experts, H hidden, I intermediate):
   w13 [E, 2I, H]: gate rows then up rows; for `swigluoai` the rows interleave (gate0, up0, gate1, ...).
   w2  [E, H, I]
+  (packed fp4 weights, MXFP4: w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, two e2m1 values per byte along K)
   w13_bias [E, 2I], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
@@ -18,6 +19,7 @@ import torch
 from moerules.activation import Dtype
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
+from .mx import E8M0_BIAS, MX_GROUP
 from .quantize import FP8_MAX, quantize_weight
 from .scheme import QUANT_BLOCK, TORCH_DTYPE, Scheme
 
@@ -46,10 +48,11 @@ class MoEWeights:
     padding: Optional[tuple[int, int]] = None
 
     def __post_init__(self):
-        E, two_i, H = self.w13.shape
-        if two_i % 2 or self.w2.shape != (E, H, two_i // 2):
+        E, two_i, _ = self.w13.shape
+        if two_i % 2 or self.w2.shape[:2] != (E, self.hidden) or self.intermediate * 2 != two_i:
+            packed = " (K packed two per byte)" if self.scheme.k_pack > 1 else ""
             raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not form a "
-                             "[E, 2I, H] / [E, H, I] pair")
+                             f"[E, 2I, H] / [E, H, I] pair{packed}")
         if (self.scheme.weight_dtype is None) != (self.w13_scale is None):
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
 
@@ -59,12 +62,12 @@ class MoEWeights:
 
     @property
     def hidden(self) -> int:
-        """Hidden size the kernels see (padded if `pad_weights` ran)."""
-        return self.w13.shape[2]
+        """Hidden size the kernels see (padded if `pad_weights` ran); logical, not the packed width."""
+        return self.w13.shape[2] * self.scheme.k_pack
 
     @property
     def intermediate(self) -> int:
-        return self.w2.shape[2]
+        return self.w2.shape[2] * self.scheme.k_pack
 
     @property
     def has_bias(self) -> bool:
@@ -138,15 +141,21 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
         return weights
     if min(pads) < 0:
         raise ValueError(f"pads must be >= 0, got {pads}")
-    gran = weights.scheme.weight_granularity
+    scheme = weights.scheme
+    gran = scheme.weight_granularity
     I = weights.intermediate
     if gran == Granularity.block128 and intermediate_pad and not interleaved and I % QUANT_BLOCK:
         raise ValueError(f"block128 weights with intermediate {I} (not a multiple of {QUANT_BLOCK}) cannot be "
                          "padded: the up half would straddle a scale block")
+    pack = scheme.k_pack
+    if hidden_pad % pack or intermediate_pad % pack:
+        raise ValueError(f"packed fp4 weights hold {pack} values per byte along K; hidden_pad and intermediate_pad "
+                         f"must be multiples of {pack}, got {pads}")
+    H = weights.hidden
     hp, ip = pads
     weights.w13 = _pad_rows(weights.w13, ip, interleaved, 0.0, dim=1)
-    weights.w13 = _pad_dim(weights.w13, 2, hp, 0.0)
-    weights.w2 = _pad_dim(_pad_dim(weights.w2, 1, hp, 0.0), 2, ip, 0.0)
+    weights.w13 = _pad_dim(weights.w13, 2, hp // pack, 0.0)
+    weights.w2 = _pad_dim(_pad_dim(weights.w2, 1, hp, 0.0), 2, ip // pack, 0.0)
     if weights.has_bias:
         weights.w13_bias = _pad_rows(weights.w13_bias, ip, interleaved, 0.0, dim=1)
         weights.w2_bias = _pad_dim(weights.w2_bias, 1, hp, 0.0)
@@ -156,6 +165,9 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
     elif gran == Granularity.block128:
         weights.w13_scale = _pad_blocks(weights.w13_scale, weights.w13.shape[1:], interleaved)
         weights.w2_scale = _pad_blocks(weights.w2_scale, weights.w2.shape[1:], True)
+    elif scheme.is_mx:
+        weights.w13_scale = _pad_rows(_pad_mx_groups(weights.w13_scale, H, hp), ip, interleaved, E8M0_BIAS, dim=1)
+        weights.w2_scale = _pad_dim(_pad_mx_groups(weights.w2_scale, I, ip), 1, hp, E8M0_BIAS)
     weights.padding = pads
     return weights
 
@@ -183,3 +195,12 @@ def _pad_blocks(scale: torch.Tensor, padded_nk: torch.Size, pad_at_end: bool) ->
     if pad_at_end:
         return _pad_dim(scale, 1, nb - scale.shape[1], 1.0)
     return _pad_rows(scale, (nb - scale.shape[1]) // 2, False, 1.0, dim=1)
+
+
+def _pad_mx_groups(scale: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
+    """Grow a [E, N, ceil(K/32)] e8m0 tensor to cover K + k_pad with scales 2^0 (biased 127).
+
+    The padded elements are zero, so any scale is exact; 1.0 keeps them plain. Zeros appended
+    to a partial last group keep that group's scale, which is just as exact.
+    """
+    return _pad_dim(scale, 2, -(-(k + k_pad) // MX_GROUP) - scale.shape[2], E8M0_BIAS)

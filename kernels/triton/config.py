@@ -18,6 +18,7 @@ from typing import Optional
 
 from moerules.quant import Granularity
 
+from ..mx import MX_GROUP
 from ..scheme import Scheme
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -50,6 +51,8 @@ def dtype_key(scheme: Scheme, in_dtype_name: str) -> str:
     """Which config family a scheme uses: tiles depend on operand widths and block scaling."""
     if scheme.weight_dtype is None:
         return in_dtype_name
+    if scheme.is_mx:
+        return scheme.family.value  # "mxfp4_w4a16" / "mxfp8": their K steps are bound to the 32-groups
     if scheme.act_dtype is None:
         return "w8a16"
     base = f"{scheme.act_dtype.value.split('_')[0]}_w8a8"
@@ -68,22 +71,30 @@ def _load_file(name: str) -> Optional[dict[int, MoEConfig]]:
     return {int(m): MoEConfig.from_dict(c) for m, c in json.loads(path.read_text()).items()}
 
 
-def default_config(*, num_tokens: int, num_experts: int, top_k: int, eight_bit: bool) -> MoEConfig:
+def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Scheme) -> MoEConfig:
     """Heuristic for shapes without a tuned file.
 
     BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
     blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
-    take a longer K step for the same bytes per load. Both K steps divide the 128 of block scales.
+    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales).
+    MXFP8 steps one 32-group at a time (its partial sums are scaled per group); MXFP4 takes 128
+    (64 packed bytes per weight row, four groups per step, as triton_kernels does on Hopper).
     """
     rows_per_expert = num_tokens * top_k / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
-    block_k = 128 if eight_bit else 64
+    block_k = _default_block_k(scheme)
     small = block_m <= 32
     g1 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
                     num_warps=4 if small else 8, num_stages=4 if small else 3)
     g2 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
                     num_warps=4 if small else 8, num_stages=4 if small else 3)
     return MoEConfig(BLOCK_M=block_m, gemm1=g1, gemm2=g2)
+
+
+def _default_block_k(scheme: Scheme) -> int:
+    if scheme.is_mx:
+        return 128 if scheme.k_pack > 1 else MX_GROUP
+    return 128 if scheme.weight_dtype is not None else 64
 
 
 def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,
@@ -94,8 +105,7 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     if table:
         cfg = table[min(table, key=lambda m: abs(m - num_tokens))]
     else:
-        cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
-                             eight_bit=scheme.weight_dtype is not None)
+        cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k, scheme=scheme)
     check_config(cfg, scheme)
     return cfg
 
@@ -105,5 +115,9 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
     for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
         if scheme.weight_granularity == Granularity.block128 and 128 % g.BLOCK_K:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must divide 128 for block-scaled weights")
+        if scheme.is_mx and scheme.k_pack > 1 and g.BLOCK_K % MX_GROUP:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MXFP4 weights")
+        if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K != MX_GROUP:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be {MX_GROUP} for MXFP8 (one e8m0 group per K step)")
     if cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16)")

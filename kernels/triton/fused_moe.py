@@ -8,11 +8,25 @@ act(gate) * up: the [M*k, 2I] pre-activation never reaches memory. Gate/up row p
 (n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss).
 
 Scale codes (tl.constexpr):
-  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128]
-  W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128]
+  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128],
+           4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
+  W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
+           4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
+  W_FP4:   the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
-block scales change along K, so each K step is scaled before it is added (BLOCK_K divides 128).
-W8A16 (A_SCALE 0 with quantised weights) upcasts the weight tile to the activation dtype in the loop.
+block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
+tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
+whole weights are never expanded in memory:
+  - block128 and MXFP8: each K step lies in one scale group (BLOCK_K divides 128, resp. equals 32),
+    so the MMA runs on the stored 8-bit operands and its result is scaled before it is added.
+    For MXFP8 this keeps the fp8 tensor-core rate and fp8 bytes in shared memory; Hopper has no MX
+    MMA, so the price is one fp32 multiply-add of the [BLOCK_M, BLOCK_N] partial sum per 32 of K.
+    Upcasting both operands to bf16 instead would halve the MMA rate and convert BLOCK_M + BLOCK_N
+    values per K element, which costs about as much at small tiles and more at large ones.
+  - MXFP4: the weight tile is unpacked and multiplied by its e8m0 scales into the activation dtype
+    (the scales are exact powers of two), so one BLOCK_K step spans several groups and the bf16/fp16
+    MMA sees the dequantised tile. The even and odd k of the activations are split instead of
+    interleaving the unpacked nibbles, which saves a register shuffle of the larger operand.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI = 0, 1, 2, 3
 SWIGLUOAI_ALPHA = tl.constexpr(1.702)  # globals used in @jit must be tl.constexpr objects
 SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 SCALE_BLOCK = tl.constexpr(128)
+MX_GROUP = tl.constexpr(32)
 
 
 @triton.jit
@@ -48,15 +63,36 @@ def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _e8m0(s):
+    """e8m0 bytes -> 2^(s - 127) in fp32, written straight into the exponent bits (exact for 1 <= s <= 254)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32, 0..15) -> fp32: exponent and mantissa bits moved to their fp32 places.
+
+    Codes 2..7 are normal (2^(e-1) * (1 + m/2): exponent field e + 126); code 1 is the subnormal 0.5.
+    """
+    mag = code & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), (mag * 126) << 23)
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
-                 A_SCALE: tl.constexpr):
-    """Scales of one K step under block scaling: a group scale per row, a block scale per column."""
-    kb = k0 // SCALE_BLOCK
+                 A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
+    """Scales of one K step under block/group scaling: a group scale per row, a block/group scale per column."""
     if A_SCALE == 3:
-        sa = tl.load(a_scale_ptr + a_rows * stride_asm + kb, mask=row_ok, other=0.0)
+        sa = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
+    elif A_SCALE == 4:
+        sa = _e8m0(tl.load(a_scale_ptr + a_rows * stride_asm + k0 // MX_GROUP, mask=row_ok, other=0))
     else:
         sa = tl.full(a_rows.shape, 1.0, tl.float32)
-    sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + kb, mask=col_ok, other=0.0)
+    if W_SCALE == 4:
+        sw = _e8m0(tl.load(w_scale_e + w_rows.to(tl.int64) * stride_wsn + k0 // MX_GROUP, mask=col_ok, other=0))
+    else:
+        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
     return sa, sw
 
 
@@ -64,10 +100,51 @@ def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col
 def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr):
     if UPCAST_W:
         b = b.to(a.dtype)
-    if W_SCALE == 3:
+    if W_SCALE >= 3:
         acc += tl.dot(a, b).to(tl.float32) * sa[:, None] * sw[None, :]
     else:
         acc = tl.dot(a, b, acc, out_dtype=acc.dtype)  # int32 for int8 operands
+    return acc
+
+
+@triton.jit
+def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
+
+    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along
+    its 16 bytes; the low nibbles (even k) and high nibbles (odd k) meet the even and odd columns of a.
+    """
+    HALF: tl.constexpr = MX_GROUP // 2
+    g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
+    mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
+    rows = w_rows.to(tl.int64)[None, :]
+    byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
+    packed = tl.load(w_e + rows[None, :, :] * stride_wn + byte, mask=mask[:, None, :], other=0).to(tl.int32)
+    scale = _e8m0(tl.load(w_scale_e + rows * stride_wsn + g[:, None], mask=mask, other=0))[:, None, :]
+    w_even = tl.reshape(_e2m1(packed & 15) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
+    w_odd = tl.reshape(_e2m1(packed >> 4) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+    acc = tl.dot(a_even, w_even, acc)
+    return tl.dot(a_odd, w_odd, acc)
+
+
+@triton.jit
+def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn,
+            k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
+            W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
+    if W_FP4:
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+    else:
+        b = tl.load(w_e + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        sa, sw = 1.0, 1.0  # unused unless block/group-scaled
+        if W_SCALE >= 3:
+            sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn,
+                                  k0, A_SCALE, W_SCALE)
+        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
     return acc
 
 
@@ -109,8 +186,8 @@ def gemm1_gated_kernel(
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
         num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
-        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I."""
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -132,17 +209,10 @@ def gemm1_gated_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        bg = tl.load(w_e + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        sa, sg, su = 1.0, 1.0, 1.0  # unused unless block-scaled
-        if W_SCALE == 3:
-            sa, sg = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, gate_rows, col_ok, stride_wsn, k0,
-                                  A_SCALE)
-            sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn, k0,
-                                  A_SCALE)
-        acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
-        acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
+        acc_g = _k_step(acc_g, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, gate_rows, col_ok, stride_wn,
+                        stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_u = _k_step(acc_u, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, up_rows, col_ok, stride_wn,
+                        stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
     gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
     up = _epilogue_scale(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
@@ -159,8 +229,8 @@ def gemm2_weighted_kernel(
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
         num_slots, num_m_blocks, N, K,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
-        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ACC_INT: tl.constexpr,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n]) for n < N = H."""
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -177,12 +247,8 @@ def gemm2_weighted_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_e + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        sa, sw = 1.0, 1.0  # unused unless block-scaled
-        if W_SCALE == 3:
-            sa, sw = _step_scales(a_scale_ptr, slot, row_ok, stride_asm, ws_e, cols, col_ok, stride_wsn, k0, A_SCALE)
-        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
+        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
+                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
     out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

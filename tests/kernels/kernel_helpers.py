@@ -8,7 +8,7 @@ from moerules.activation import Activation, Dtype
 from moerules.kernels import build_layer, make_random_weights
 from moerules.kernels.reference import moe_reference
 from moerules.kernels.routing import fused_topk
-from moerules.kernels.scheme import TORCH_DTYPE
+from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.scheme import quant_for_cell as quant_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,6 +20,7 @@ def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activati
                E=8, H=160, I=96, bias=False, seed=0, device="cpu", **kw):
     w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_of(cell), in_dtype=dtype,
                             has_bias=bias, seed=seed, device=device)
+    kw.setdefault("weight_block", Scheme.from_quant(quant_of(cell)).weight_k_block)  # as the rules set it
     return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell), activation=activation,
                        in_dtype=dtype, activation_format="standard", weights=w, device=device, **kw)
 

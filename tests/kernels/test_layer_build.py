@@ -34,7 +34,7 @@ def _build(**overrides):
     (dict(kernel_id="cutlass.nope"), r"^cutlass\.nope: unknown kernel id; registered: torch\.grouped_mm"),
     (dict(prepare_finalize_id="deepep"), r"^torch\.reference: unknown prepare/finalize id 'deepep'"),
     (dict(activation_format="batched"), r"activation format 'batched' requested"),
-    (dict(quant=QuantConfig(family=QuantFamily.mxfp4_w4a16)), r"'mxfp4_w4a16' has no kernel"),
+    (dict(quant=QuantConfig(family=QuantFamily.nvfp4)), r"'nvfp4' has no kernel"),
     (dict(activation=Activation.relu2_no_mul), r"activation 'relu2_no_mul' is not supported"),
     (dict(kernel_id="torch.grouped_mm", quant=quant_of("int8_w8a8/channel/token"),
           weights=_weights("int8_w8a8/channel/token")), r"scheme 'int8_w8a8/channel/token' is not supported"),

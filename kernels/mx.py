@@ -100,7 +100,7 @@ def _groups(x: torch.Tensor) -> torch.Tensor:
 
 
 def _ungroup(g: torch.Tensor, k: int) -> torch.Tensor:
-    return g.reshape(*g.shape[:-2], -1)[..., :k]
+    return g.reshape(*g.shape[:-2], g.shape[-2] * g.shape[-1])[..., :k]
 
 
 def quantize_mx(x: torch.Tensor, *, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:

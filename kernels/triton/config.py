@@ -77,24 +77,36 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
     BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
     blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
     take a longer K step for the same bytes per load (both K steps divide the 128 of block scales).
-    MXFP8 steps one 32-group at a time (its partial sums are scaled per group); MXFP4 takes 128
-    (64 packed bytes per weight row, four groups per step, as triton_kernels does on Hopper).
+    MX has its own table (`_mx_config`).
     """
     rows_per_expert = num_tokens * top_k / num_experts
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
-    block_k = _default_block_k(scheme)
-    small = block_m <= 32
-    g1 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
-                    num_warps=4 if small else 8, num_stages=4 if small else 3)
-    g2 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
-                    num_warps=4 if small else 8, num_stages=4 if small else 3)
-    return MoEConfig(BLOCK_M=block_m, gemm1=g1, gemm2=g2)
-
-
-def _default_block_k(scheme: Scheme) -> int:
     if scheme.is_mx:
-        return 128 if scheme.k_pack > 1 else MX_GROUP
-    return 128 if scheme.weight_dtype is not None else 64
+        return _mx_config(rows_per_expert, fp4=scheme.k_pack > 1)
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
+    block_k = 128 if scheme.weight_dtype is not None else 64
+    small = block_m <= 32
+    g = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
+                   num_warps=4 if small else 8, num_stages=4 if small else 3)
+    return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
+
+
+def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
+    """MX defaults, from a sweep on gpt-oss-120b shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
+
+    MXFP4 is bound by its in-register decode, and every BLOCK_M block of an expert decodes the
+    expert's weights again: past 48 rows per expert one 128-row block beats two 64-row ones by 2x.
+    Narrow N tiles with BLOCK_K 64 keep more programs decoding at one row block. MXFP8 steps one
+    32-group per K step (see fused_moe.py).
+    """
+    if rows_per_expert <= 16:
+        block_m, g = 16, GemmConfig(BLOCK_N=32 if fp4 else 64, BLOCK_K=64 if fp4 else MX_GROUP, GROUP_M=1,
+                                    num_warps=4, num_stages=4)
+    elif rows_per_expert <= 48:
+        block_m, g = 32, GemmConfig(BLOCK_N=64, BLOCK_K=MX_GROUP, GROUP_M=1, num_warps=4, num_stages=4)
+    else:
+        block_m = 128 if fp4 or rows_per_expert > 160 else 64
+        g = GemmConfig(BLOCK_N=128, BLOCK_K=64 if fp4 else MX_GROUP, GROUP_M=8, num_warps=8, num_stages=3)
+    return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
 def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,

@@ -16,17 +16,18 @@ Scale codes (tl.constexpr):
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
-whole weights are never expanded in memory:
-  - block128 and MXFP8: each K step lies in one scale group (BLOCK_K divides 128, resp. equals 32),
-    so the MMA runs on the stored 8-bit operands and its result is scaled before it is added.
-    For MXFP8 this keeps the fp8 tensor-core rate and fp8 bytes in shared memory; Hopper has no MX
-    MMA, so the price is one fp32 multiply-add of the [BLOCK_M, BLOCK_N] partial sum per 32 of K.
-    Upcasting both operands to bf16 instead would halve the MMA rate and convert BLOCK_M + BLOCK_N
-    values per K element, which costs about as much at small tiles and more at large ones.
-  - MXFP4: the weight tile is unpacked and multiplied by its e8m0 scales into the activation dtype
-    (the scales are exact powers of two), so one BLOCK_K step spans several groups and the bf16/fp16
-    MMA sees the dequantised tile. The even and odd k of the activations are split instead of
-    interleaving the unpacked nibbles, which saves a register shuffle of the larger operand.
+whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
+  - MXFP4: the packed tile is unpacked through fp16 bit patterns and scaled in fp32 (both exact) into
+    the activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet
+    the low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the
+    decode instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e.
+    about 4 instructions per weight for the whole SM). `tl.dot_scaled`, whose Hopper lowering does the
+    same upcast in the compiler, measured no faster (H200, Triton 3.6, gpt-oss shapes), and it has no
+    interpreter implementation; so the configs use large BLOCK_M to decode each weight once per expert.
+  - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
+    stored bytes and its [BLOCK_M, BLOCK_N] result is scaled by sa*sw before it is added (as block128):
+    fp8 tensor-core rate and fp8 bytes in shared memory, at one MMA wait per 32 of K. Upcasting both
+    operands with their scales to bf16 (tl.dot_scaled) instead measured 1.0-2x slower on H200.
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ def _e8m0(s):
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> fp32: exponent and mantissa bits moved to their fp32 places.
+def _e2m1_x2pow14(t):
+    """The e2m1 nibble held in bits 12..15 of t (int32) -> its value * 2^-14 in fp32, exactly.
 
-    Codes 2..7 are normal (2^(e-1) * (1 + m/2): exponent field e + 126); code 1 is the subnormal 0.5.
+    Sign and exponent/mantissa bits are moved to their fp16 places (sign 15, e 10..11, m 9): an fp16
+    with exponent bias 15 then reads 2^(e-15) * (1 + m/2), and code 1 (0.5) is the fp16 subnormal 2^-15.
     """
-    mag = code & 7
-    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), (mag * 126) << 23)
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    bits = (t & 0x8000) | ((t >> 3) & 0x0E00)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -112,18 +113,20 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
-    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along
-    its 16 bytes; the low nibbles (even k) and high nibbles (odd k) meet the even and odd columns of a.
+    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along its bytes.
     """
     HALF: tl.constexpr = MX_GROUP // 2
+    rows = w_rows.to(tl.int64)
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
     mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
-    rows = w_rows.to(tl.int64)[None, :]
     byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
-    packed = tl.load(w_e + rows[None, :, :] * stride_wn + byte, mask=mask[:, None, :], other=0).to(tl.int32)
-    scale = _e8m0(tl.load(w_scale_e + rows * stride_wsn + g[:, None], mask=mask, other=0))[:, None, :]
-    w_even = tl.reshape(_e2m1(packed & 15) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
-    w_odd = tl.reshape(_e2m1(packed >> 4) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
+    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0).to(tl.int32)
+    # 2^(s - 127) * 2^14 undoes the 2^-14 of _e2m1_x2pow14; the exponent field s + 14 is finite for s <= 240
+    # (group amax below 2^116: larger weights could not be bf16/fp16 MMA operands anyway).
+    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0).to(tl.int32)
+    scale = ((s + 14) << 23).to(tl.float32, bitcast=True)[:, None, :]
+    w_even = tl.reshape(_e2m1_x2pow14(packed << 12) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
+    w_odd = tl.reshape(_e2m1_x2pow14(packed << 8) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
     acc = tl.dot(a_even, w_even, acc)
     return tl.dot(a_odd, w_odd, acc)

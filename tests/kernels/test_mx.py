@@ -346,11 +346,14 @@ def test_mxfp8_decision_carries_its_block_to_the_build():
 
 # ---- GPU only (bf16) ----------------------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is wrong under the interpreter")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU only (bf16 tl.dot is wrong under the interpreter)")
+@pytest.mark.parametrize("dtype", [Dtype.bf16, Dtype.fp16])
 @pytest.mark.parametrize("cell", MX_CELLS)
-def test_triton_mx_bf16_gpu(cell, poison_empty):
-    layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=Dtype.bf16, bias=True,
-                       E=16, H=288, I=192, device="cuda")
+def test_triton_mx_gpu(cell, dtype, poison_empty):
+    """bf16 (wrong under the interpreter) and fp16 on the GPU; M=300 takes the 128-row blocks of the MX defaults."""
+    layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=dtype, bias=True,
+                       E=8, H=288, I=192, device="cuda")
     for M, k in ((1, 4), (77, 4), (300, 2)):
         x, ids, w = random_inputs(layer, M, k, device="cuda")
-        assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(cell)
+        bound = tol(cell) if dtype == Dtype.bf16 else (2e-3 if cell == MXFP4 else 1e-2)
+        assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < bound

@@ -17,13 +17,14 @@ Per-tensor/row/channel scales factor out of the K sum and are applied once in th
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
 whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
-  - MXFP4: the packed tile is unpacked through fp16 bit patterns and scaled in fp32 (both exact) into
-    the activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet
-    the low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the
-    decode instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e.
-    about 4 instructions per weight for the whole SM). `tl.dot_scaled`, whose Hopper lowering does the
-    same upcast in the compiler, measured no faster (H200, Triton 3.6, gpt-oss shapes), and it has no
-    interpreter implementation; so the configs use large BLOCK_M to decode each weight once per expert.
+  - MXFP4: the packed tile is unpacked and scaled (exactly: the scales are powers of two) into the
+    activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet the
+    low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the decode
+    instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
+    instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
+    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. `tl.dot_scaled`, whose Hopper
+    lowering upcasts in the compiler, measured no faster than the Triton-code decode (H200, Triton 3.6)
+    and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
     stored bytes and its [BLOCK_M, BLOCK_N] result is scaled by sa*sw before it is added (as block128):
     fp8 tensor-core rate and fp8 bytes in shared memory, at one MMA wait per 32 of K. Upcasting both
@@ -108,6 +109,49 @@ def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr):
     return acc
 
 
+# Four packed bytes -> the bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3), each
+# times its bf16 scale ($5, $6 hold the scales of bytes 0,1 and 2,3). Two bytes at a time go to the
+# two halves of a register (prmt), then each nibble is moved into bf16 place with shifts and masks:
+# sign -> bit 15, exponent and mantissa -> bits 6..8, which reads as value * 2^-126 (code 1, 0.5, is a
+# bf16 subnormal). Multiplying by 2^126 and then by the scale (powers of two; fma with -0 keeps every
+# sign, and bf16x2 fma is sm80+) is exact: about 3.5 instructions per weight, against about 12 for the
+# same decode in Triton elementwise code.
+_E2M1X4_TO_BF16 = tl.constexpr("""{
+.reg .b32 p0, p1, s, m, v, zero, negz, two126;
+mov.b32 zero, 0;
+mov.b32 negz, 0x80008000;
+mov.b32 two126, 0x7E807E80;
+prmt.b32 p0, $4, zero, 0x4140;
+prmt.b32 p1, $4, zero, 0x4342;
+shl.b32 s, p0, 12; and.b32 s, s, 0x80008000; shl.b32 m, p0, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $0, v, $5, negz;
+shl.b32 s, p1, 12; and.b32 s, s, 0x80008000; shl.b32 m, p1, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $1, v, $6, negz;
+shl.b32 s, p0, 8; and.b32 s, s, 0x80008000; shl.b32 m, p0, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $2, v, $5, negz;
+shl.b32 s, p1, 8; and.b32 s, s, 0x80008000; shl.b32 m, p1, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $3, v, $6, negz;
+}""")
+
+
+@triton.jit
+def _e2m1_unpack_bf16(packed, s):
+    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values."""
+    scale = tl.broadcast_to((s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True), packed.shape)   # 2^(s - 127)
+    return tl.inline_asm_elementwise(_E2M1X4_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_unpack(packed, s, dtype: tl.constexpr):
+    """The same in Triton code, for fp16 (and the interpreter): nibbles through fp16 bit patterns, fp32 scaling."""
+    t = packed.to(tl.int32)
+    # 2^(s - 127) * 2^14 undoes the 2^-14 of _e2m1_x2pow14; the exponent field s + 14 is finite for s <= 240
+    # (group amax below 2^116: larger weights could not be fp16 MMA operands anyway).
+    scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return (_e2m1_x2pow14(t << 12) * scale).to(dtype), (_e2m1_x2pow14(t << 8) * scale).to(dtype)
+
+
 @triton.jit
 def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -120,16 +164,15 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
     mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
     byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
-    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0).to(tl.int32)
-    # 2^(s - 127) * 2^14 undoes the 2^-14 of _e2m1_x2pow14; the exponent field s + 14 is finite for s <= 240
-    # (group amax below 2^116: larger weights could not be bf16/fp16 MMA operands anyway).
-    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0).to(tl.int32)
-    scale = ((s + 14) << 23).to(tl.float32, bitcast=True)[:, None, :]
-    w_even = tl.reshape(_e2m1_x2pow14(packed << 12) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
-    w_odd = tl.reshape(_e2m1_x2pow14(packed << 8) * scale, (BLOCK_K // 2, BLOCK_N)).to(a.dtype)
+    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
+    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
+    if a.dtype == tl.bfloat16:
+        w_even, w_odd = _e2m1_unpack_bf16(packed, s)
+    else:
+        w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-    acc = tl.dot(a_even, w_even, acc)
-    return tl.dot(a_odd, w_odd, acc)
+    acc = tl.dot(a_even, tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N)), acc)
+    return tl.dot(a_odd, tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N)), acc)
 
 
 @triton.jit

@@ -12,8 +12,8 @@ from moerules.quant import QuantConfig
 from .activations import is_interleaved
 from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
-from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
 from .mx import MX_GROUP
+from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
 from .scheme import Scheme, UnsupportedScheme
 from .weights import MoEWeights, pad_weights
 

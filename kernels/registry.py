@@ -80,7 +80,8 @@ def _probe_triton(scheme, in_dtype, device, weights) -> Optional[str]:
     if scheme.weight_dtype is not None and scheme.weight_dtype.value == "fp8_e4m3" and (major, minor) < (8, 9):
         return f"FP8 needs compute capability >= 8.9, this GPU is sm{major}{minor}"
     if scheme.k_pack > 1 and major < 8:
-        return f"MXFP4 upcasts to bf16/fp16 MMA with sm80 instructions; this GPU is sm{major}{minor}"
+        return (f"MXFP4 decodes into bf16/fp16 MMA with sm80 instructions, this GPU is sm{major}{minor}; "
+                "use an sm80+ GPU or torch.reference")
     return None
 
 

@@ -16,6 +16,12 @@ and reduces inside it. Timing: `triton.testing.do_bench` median (it flushes L2 b
 call), in CUDA-graph replay and eager. Floor (reference section 3.2):
     T_floor = max(bytes / BW, flops / P), bytes = E_hit*3*H*I*b_w + M*H*4, flops = 6*M*k*H*I,
     E_hit = E*(1 - (1 - k/E)^M), with BW and P measured in the same run.
+    b_w (bytes per weight, scales included): bf16 2; fp8 1 (+ 4/128^2 for block-128 scales);
+    mxfp4 0.5 + 1/32 = 0.53125 (e8m0 scale per 32); mxfp8 1 + 1/32.
+    P: the bf16 MMA rate for bf16 and mxfp4 W4A16 (Hopper has no mixed-input or MX MMA: the fp4
+    weights are upcast to bf16), the fp8 rate for fp8 and mxfp8 (fp8 MMA with the e8m0 scales
+    applied per 32-wide K step is possible on Hopper; that is what our kernel does).
+MX schemes are timed at M in MX_M_LIST by default (gpt-oss mxfp4 is memory-bound up to M~2300).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
-from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, config_file_name,
-                                           default_config, dtype_key)
+from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
+                                           config_file_name, default_config, dtype_key)
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
@@ -67,7 +73,13 @@ SMOKE_MODELS = {"tiny": Model(8, 2, 256, 128, Activation.silu, False),
 TIMED_SCHEMES = {"bf16": QuantConfig(),
                  "fp8_rowwise": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.channel,
                                             activation_granularity=G.token),
-                 "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128)}
+                 "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128),
+                 "mxfp4": QuantConfig(family=F.mxfp4_w4a16),
+                 "mxfp8": QuantConfig(family=F.mxfp8)}
+# Bytes per weight element, scales included (docstring), and which MMA rate bounds the scheme.
+WEIGHT_BYTES = {"bf16": 2.0, "fp8_rowwise": 1.0, "fp8_block": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32,
+                "mxfp8": 1.0 + 1 / 32}
+BF16_RATE = {"bf16", "mxfp4"}
 M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
 # Correctness only (not timed): LoRA adapters (rank 16) and the non-gated relu2, on one model.
 FEATURE_CASES = [("lora", "unquantized"), ("lora", "fp8_w8a16/channel"), ("relu2_no_mul", "unquantized"),
@@ -76,11 +88,20 @@ FEATURE_LORA_RANK = 16
 # local_batched allocates E x M rows per batch (DeepSeek-V3 at M=1024: 3.7 GB for the bf16 output alone).
 BATCHED_M_LIST = [1, 16, 64, 256, 1024]
 BATCHED_MODELS = ("mixtral-8x7b", "deepseek-v3", "tiny")
-TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w8a8": 3e-2}
+MX_M_LIST = [1, 16, 64, 256, 1024, 2048, 4096]
+# Weight-only schemes (W4A16 included) compare like bf16; MXFP8 re-quantises its intermediate like W8A8.
+TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w4a16": 1e-2, "w8a8": 3e-2, "mxfp8": 3e-2}
 
 
 def tolerance(cell: str) -> float:
-    return TOL["unquantized" if cell == "unquantized" else "w8a16" if "w8a16" in cell else "w8a8"]
+    return TOL[next((k for k in ("w8a16", "w4a16", "mxfp8") if k in cell), "unquantized" if cell == "unquantized"
+                    else "w8a8")]
+
+
+def _operand_bytes(scheme: Scheme) -> tuple[float, int]:
+    """Bytes per element of the weight and activation tiles the GEMMs stage in shared memory."""
+    wbytes = 2.0 if scheme.weight_dtype is None else 1.0 / scheme.k_pack
+    return wbytes, (1 if scheme.act_dtype is not None else 2)
 
 
 class Bench:
@@ -90,7 +111,6 @@ class Bench:
         self.device = torch.device("cpu" if self.smoke else "cuda")
         self.in_dtype = Dtype.fp16 if self.smoke else Dtype.bf16  # interpreter: bf16 tl.dot is wrong
         self.models = SMOKE_MODELS if self.smoke else {m: MODELS[m] for m in args.models}
-        self.ms = [1, 5, 40] if self.smoke else args.ms
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.results: dict = {"device": self.device_name(), "torch": torch.__version__}
@@ -167,10 +187,16 @@ class Bench:
         """kernel_id behind `local`, or behind `local_batched` when its experts take the batched format."""
         m = self.models[name]
         fmt = EXPERTS[kernel_id].activation_format
+        quant = quant_of(cell)
         return build_layer(kernel_id=kernel_id, prepare_finalize_id="local_batched" if fmt == "batched" else "local",
-                           quant=quant_of(cell), activation=m.activation, in_dtype=self.in_dtype,
-                           activation_format=fmt, weights=self.weights(name, cell), device=self.device,
-                           routing=RoutingConfig(top_k=m.k))
+                           quant=quant, activation=m.activation, in_dtype=self.in_dtype, activation_format=fmt,
+                           weight_block=Scheme.from_quant(quant).weight_k_block,  # as the rules set it
+                           weights=self.weights(name, cell), device=self.device, routing=RoutingConfig(top_k=m.k))
+
+    def ms(self, sname: str) -> list[int]:
+        if self.smoke:
+            return [1, 5, 40]
+        return self.args.ms or (MX_M_LIST if sname.startswith("mx") else M_LIST)
 
     def inputs(self, name: str, M: int, seed: int = 1):
         m = self.models[name]
@@ -186,7 +212,9 @@ class Bench:
         for name in self.models:
             # Every cell on one real model (compiles dominate the cost); the timed schemes on all.
             model_cells = cells if name in ("qwen3-30b-a3b", "tiny", "tiny-oss") else \
-                ["unquantized", "fp8_w8a8/channel/token", "fp8_w8a8/block128/group128"]
+                ["unquantized", "fp8_w8a8/channel/token", "fp8_w8a8/block128/group128"] + \
+                (["mxfp4_w4a16/group32", "mxfp8/group32/group32"] if name == "gpt-oss-120b" else [])
+            model_cells = [c for c in model_cells if not self.args.cells or c in self.args.cells]
             for cell in model_cells:
                 for kernel_id in ("triton.fused_moe", "triton.batched_moe", "torch.grouped_mm"):
                     if kernel_id == "triton.batched_moe" and cell not in EXPERTS[kernel_id].cells:
@@ -242,15 +270,16 @@ class Bench:
 
     # ---- tuning --------------------------------------------------------------------------------
     def candidates(self, M: int, model: Model, scheme: Scheme):
-        eight = scheme.weight_dtype is not None
         block = scheme.weight_granularity == G.block128
-        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, eight_bit=eight)
+        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme)
         if M * model.k * 4 <= model.E:
             bms = [16]
         else:
             bms = sorted({base.BLOCK_M, min(128, base.BLOCK_M * 2)})
-        kmul = 2 if eight and not block else 1
-        wbytes, abytes = (1 if eight else 2), (1 if scheme.act_dtype is not None else 2)
+        # 8-bit operands double BLOCK_K; MXFP4 keeps it (its tile is decoded to 16 bits in registers),
+        # MXFP8 steps exactly one 32-group.
+        kmul = 2 if scheme.weight_dtype is not None and not scheme.is_mx and not block else 1
+        wbytes, abytes = _operand_bytes(scheme)
         for bm in bms:
             # (BLOCK_N, BLOCK_K at 16-bit width); 8-bit operands double BLOCK_K (block scales cap it at 128).
             shapes1 = [(32, 128), (64, 64), (64, 128), (128, 64)] if bm <= 32 else [(64, 64), (128, 64), (64, 128),
@@ -262,9 +291,12 @@ class Bench:
             for shapes, out, n_b in ((shapes1, g1s, 2), (shapes2, g2s, 1)):
                 for bn, bk in shapes:
                     bk = min(bk * kmul, 128) if block else bk * kmul
+                    c = GemmConfig(bn, bk, group_m, warps if bn >= 64 else 4, stages)
+                    if scheme.is_mx and scheme.k_pack == 1:
+                        c = GemmConfig(bn, 32, group_m, c.num_warps, stages)
                     # Shared memory per stage: the A tile plus n_b weight tiles; keep under ~200 KB.
-                    if stages * (bm * bk * abytes + n_b * bk * bn * wbytes) <= 200_000:
-                        out.append(GemmConfig(bn, bk, group_m, warps if bn >= 64 else 4, stages))
+                    if stages * (bm * c.BLOCK_K * abytes + n_b * c.BLOCK_K * bn * wbytes) <= 200_000 and c not in out:
+                        out.append(c)
             yield bm, (g1s[:1] if self.smoke else g1s), (g2s[:1] if self.smoke else g2s)
 
     def tune(self):
@@ -275,7 +307,7 @@ class Bench:
                 layer = self.layer(name, cell, "triton.fused_moe")
                 w = layer.weights
                 table = self.existing_table(model, w.scheme) if self.args.refine else {}
-                for M in self.ms:
+                for M in self.ms(sname):
                     if M > 4096 and not self.smoke and not self.args.refine:
                         continue  # nearest-M lookup reuses the 4096 entry; saves device time
                     x, ids, tw = self.inputs(name, M)
@@ -292,8 +324,7 @@ class Bench:
                     if self.args.refine:
                         best = self.refine(run, M, model, w.scheme)
                     for bm, g1s, g2s in ([] if self.args.refine else self.candidates(M, model, w.scheme)):
-                        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k,
-                                              eight_bit=w.scheme.weight_dtype is not None)
+                        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=w.scheme)
                         g2_fixed = base.gemm2 if base.gemm2 in g2s or not g2s else g2s[0]
                         b1 = self.pick(run, [MoEConfig(bm, g, g2_fixed) for g in g1s])
                         if b1 is None:
@@ -314,10 +345,10 @@ class Bench:
 
     def refine(self, run, M: int, model: Model, scheme: Scheme):
         """Local search around the config in use: BLOCK_N x{1/2,1,2}, BLOCK_K x{1/2,2}, warps, stages."""
-        from moerules.kernels.triton.config import check_config, get_config
+        from moerules.kernels.triton.config import get_config
         cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
                          in_dtype_name=self.in_dtype.value, device_name=self.device_name())
-        wbytes, abytes = (1 if scheme.weight_dtype else 2), (1 if scheme.act_dtype else 2)
+        wbytes, abytes = _operand_bytes(scheme)
 
         def around(g: GemmConfig, n_b: int):
             out = [g]
@@ -327,7 +358,7 @@ class Bench:
                         for stages in (2, 3, 4):
                             c = GemmConfig(bn, bk, g.GROUP_M, warps, stages)
                             smem = stages * (cur.BLOCK_M * bk * abytes + n_b * bk * bn * wbytes)
-                            if 32 <= bn <= 256 and 32 <= bk <= 256 and smem <= 220_000 and c not in out:
+                            if 32 <= bn <= 256 and 16 <= bk <= 256 and smem <= 220_000 and c not in out:
                                 out.append(c)
             return out
 
@@ -369,17 +400,18 @@ class Bench:
         return best
 
     def timed_schemes(self, name: str):
-        names = ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else [])
+        names = ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else []) + \
+            (["mxfp4", "mxfp8"] if name in ("gpt-oss-120b", "tiny-oss") else [])
         return [n for n in names if not self.args.schemes or n in self.args.schemes]
 
     # ---- timing --------------------------------------------------------------------------------
     def floor_us(self, model: Model, M: int, sname: str) -> tuple[float, float, float]:
         c = self.results["ceilings"]
-        b_w = 2.0 if sname == "bf16" else 1.0 + (4 / 128 ** 2 if sname == "fp8_block" else 0.0)
+        b_w = WEIGHT_BYTES[sname]
         e_hit = model.E * (1 - (1 - model.k / model.E) ** M)
         nbytes = e_hit * 3 * model.H * model.I * b_w + M * model.H * 4
         flops = 6 * M * model.k * model.H * model.I
-        peak = c["bf16_TFLOPs"] if sname == "bf16" else c["fp8_TFLOPs"]
+        peak = c["bf16_TFLOPs"] if sname in BF16_RATE else c["fp8_TFLOPs"]
         return max(nbytes / (c["copy_TBps"] * 1e12), flops / (peak * 1e12)) * 1e6, nbytes, flops
 
     def bench(self):
@@ -392,7 +424,7 @@ class Bench:
                     layers["grouped_mm"] = self.layer(name, cell, "torch.grouped_mm")
                 except KernelBuildError as exc:
                     self.log(f"no grouped_mm baseline for {name} {sname}: {exc.reason}")
-                for M in self.ms:
+                for M in self.ms(sname):
                     x, ids, tw = self.inputs(name, M)
                     floor, nbytes, flops = self.floor_us(model, M, sname)
                     row = {"model": name, "scheme": sname, "M": M, "floor_us": floor}
@@ -498,7 +530,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", default="all", choices=["all", "correctness", "tune", "bench", "batched"])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--ms", nargs="+", type=int, default=M_LIST)
+    p.add_argument("--ms", nargs="+", type=int,
+                   help=f"token counts (default {M_LIST}; MX schemes {MX_M_LIST})")
+    p.add_argument("--cells", nargs="+", help="correctness: only these scheme cells (e.g. mxfp4_w4a16/group32)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--fast", action="store_true", help="eager timings only for M >= 1024")

@@ -14,6 +14,7 @@ from .ep.connect import connect
 from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
 from .lora import lora_refusal
+from .mx import MX_GROUP
 from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
 from .scheme import Scheme, UnsupportedScheme
 from .weights import MoEWeights, pad_weights
@@ -21,8 +22,8 @@ from .weights import MoEWeights, pad_weights
 
 def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig, activation: Activation,
                 in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
-                weights: MoEWeights, device: Union[str, torch.device], routing: Optional[RoutingConfig] = None,
-                defer_input_quant: bool = False, group=None, placement=None,
+                weight_block: Optional[int] = None, weights: MoEWeights, device: Union[str, torch.device],
+                routing: Optional[RoutingConfig] = None, defer_input_quant: bool = False, group=None, placement=None,
                 timeout_s: Optional[float] = None) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
@@ -36,6 +37,10 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     activation_format: "standard" or "batched"; the experts and the prepare/finalize must both produce it.
     hidden_pad / intermediate_pad: zero columns added to H / I (weights are padded in place, once;
         inputs are padded and outputs cut back to the logical hidden size).
+    weight_block: K extent of one weight scale as the decision fixed it (`decision.quant.weight_block`):
+        32 for MX, 128 for block-128 FP8, 0 when the scale does not vary along K. It must agree with
+        the weights' scheme, and is checked before anything converts the weights. None (direct callers
+        that name the scheme themselves): the scheme's own block. `moerules.build` always passes the decision's.
     routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
     defer_input_quant: the dispatcher ships unquantised activations and the experts quantise them.
     group / placement: expert parallelism (kernels/ep): the torch.distributed process group and the
@@ -76,6 +81,8 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, f"weights are {weights.scheme.cell}/{weights.in_dtype.value} but the layer "
                                           f"asks for {scheme.cell}/{in_dtype.value}; quantise them with "
                                           "quantize_weights first")
+    if weight_block is not None:
+        _check_weight_block(kernel_id, scheme, weight_block)
     if weights.gated != activation.gated:
         rows = "2I (gate and up)" if activation.gated else "I"
         raise KernelBuildError(kernel_id, f"activation {activation.value!r} needs w13 with {rows} rows, but the weights "
@@ -99,7 +106,11 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     pf_class = prepare_finalize_class(prepare_finalize_id)
     comm = connect(pf_id=prepare_finalize_id, pf_class=pf_class, activation_format=activation_format, group=group,
                    placement=placement, weights=weights, timeout_s=timeout_s)
-    logical_hidden = weights.hidden - (weights.padding[0] if weights.padding else 0)
+    logical_hidden, logical_inter = (d - p for d, p in zip((weights.hidden, weights.intermediate),
+                                                           weights.padding or (0, 0)))
+    if spec.needs_full_mx_groups and scheme.is_mx:
+        _check_full_mx_groups(kernel_id, logical_hidden + hidden_pad, logical_inter + intermediate_pad,
+                              hidden_pad, intermediate_pad)
     try:
         pad_weights(weights, hidden_pad=hidden_pad, intermediate_pad=intermediate_pad,
                     interleaved=is_interleaved(activation))
@@ -110,3 +121,31 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
                     routing=routing, num_experts=placement.num_experts if placement else weights.num_experts)
+
+
+def _check_weight_block(kernel_id: str, scheme: Scheme, weight_block: int) -> None:
+    """The decision's weight block must be the one the weights were quantised with.
+
+    mxfp8 and block-128 weights are plain fp8 bytes: read with the wrong block (0 above all) they
+    would be taken for per-tensor/channel FP8, as vLLM once converted MXFP8. Packed e2m1 has a single
+    layout, so a decision that states no block (0) cannot mis-read it and is accepted too.
+    """
+    expected = scheme.weight_k_block
+    if weight_block == expected or (scheme.k_pack > 1 and weight_block == 0):
+        return
+    what = f"K-block {expected}" if expected else "no K-block, 0"
+    raise KernelBuildError(kernel_id, f"weight_block={weight_block} disagrees with the weights' scheme {scheme.cell} "
+                                      f"({what}); the block must be fixed before the weights are converted: pass "
+                                      f"weight_block={expected} (the decision's quant.weight_block), or quantise the "
+                                      "weights for the scheme the decision names")
+
+
+def _check_full_mx_groups(kernel_id: str, hidden: int, intermediate: int, hidden_pad: int,
+                          intermediate_pad: int) -> None:
+    """These experts step K in whole 32-element MX groups: both GEMM K sizes must be multiples of 32."""
+    if hidden % MX_GROUP == 0 and intermediate % MX_GROUP == 0:
+        return
+    raise KernelBuildError(kernel_id, f"MX weights need hidden ({hidden}) and intermediate ({intermediate}) to be "
+                                      f"multiples of {MX_GROUP} after padding (hidden_pad={hidden_pad}, "
+                                      f"intermediate_pad={intermediate_pad}); pad them up to the next multiple of "
+                                      f"{MX_GROUP} with hidden_pad/intermediate_pad")

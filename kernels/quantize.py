@@ -5,10 +5,14 @@ fp8 is e4m3fn (max 448) saturated, int8 is symmetric (max 127) rounded half away
 zero (the Triton quant kernel rounds the same way, so both paths give identical q).
 
 Scale layouts, by granularity:
-  activations [T, K]: tensor -> [1]; token -> [T]; group128 -> [T, cdiv(K, 128)]
+  activations [T, K]: tensor -> [1]; token -> [T]; group128 -> [T, cdiv(K, 128)];
+                      group32 (MX) -> uint8 e8m0 [T, cdiv(K, 32)]
+  weights [E, N, K]:  tensor -> [E]; channel -> [E, N]; block128 -> [E, cdiv(N,128), cdiv(K,128)];
+                      group32 (MX) -> uint8 e8m0 [E, N, cdiv(K, 32)]
   batched activations [E, M, K] (rows >= count[e] are padding): tensor -> [1]; token -> [E, M];
     group128 -> [E, M, cdiv(K, 128)]
-  weights [E, N, K]:  tensor -> [E]; channel -> [E, N]; block128 -> [E, cdiv(N,128), cdiv(K,128)]
+MX scales are powers of two and MX rounding is its own (see mx.py); MX weights whose dtype is
+uint8 are packed e2m1 pairs [E, N, K/2], otherwise float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from moerules.quant import Granularity
 
+from .mx import FP4_STORAGE, dequantize_mx, quantize_mx
 from .scheme import QUANT_BLOCK
 
 G = Granularity
@@ -77,11 +82,15 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
         raise ValueError(f"activations must be [tokens, hidden], got shape {tuple(x.shape)}")
     if static_scale is not None and granularity != G.tensor:
         raise ValueError(f"a static activation scale needs granularity 'tensor', not {granularity.value!r}")
-    if granularity not in (G.tensor, G.token, G.group128):
+    if granularity not in (G.tensor, G.token, G.group128, G.group32):
         raise ValueError(f"activation granularity {granularity.value!r} is not implemented")
+    if granularity == G.group32 and dtype != torch.float8_e4m3fn:
+        raise ValueError(f"MX activations are implemented for fp8 e4m3 only, not {dtype}")
     if x.is_cuda and x.shape[0] > 0:
         from .triton.quant import quantize_activation_triton
         return quantize_activation_triton(x, dtype=dtype, granularity=granularity, static_scale=static_scale)
+    if granularity == G.group32:
+        return quantize_mx(x, fp4=False)
     xf = x.float()
     if granularity == G.tensor:
         if static_scale is not None:
@@ -128,12 +137,19 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, *, granularity: 
         return qf * scale.double().reshape(())
     if granularity == G.token:
         return qf * scale.double()[:, None]
+    if granularity == G.group32:
+        return dequantize_mx(q, scale)
     return (_group_view(qf) * scale.double()[..., None]).flatten(-2)[:, :q.shape[1]]
 
 
 def quantize_weight(w: torch.Tensor, *, dtype: torch.dtype,
                     granularity: Granularity) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise expert weights [E, N, K] with a static scale per expert, channel or 128x128 block."""
+    """Quantise expert weights [E, N, K] with a static scale per expert, channel, 128x128 block or MX group.
+
+    For group32 (MX), dtype FP4_STORAGE (uint8) means packed e2m1, float8_e4m3fn means MXFP8.
+    """
+    if granularity == G.group32:
+        return quantize_mx(w, fp4=dtype == FP4_STORAGE)
     wf = w.float()
     if granularity == G.tensor:
         scale = _scale_from_amax(wf.abs().amax(dim=(1, 2)), dtype)
@@ -150,6 +166,8 @@ def quantize_weight(w: torch.Tensor, *, dtype: torch.dtype,
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, *, granularity: Granularity) -> torch.Tensor:
+    if granularity == G.group32:
+        return dequantize_mx(q, scale)
     qf = q.double()
     if granularity == G.tensor:
         return qf * scale.double()[:, None, None]

@@ -42,6 +42,8 @@ class ExpertsSpec:
     supports_lora: bool = False       # applies `weights.lora` (on unquantised activations only)
     # Families refused with a reason of their own (a rule's message and the fix), before any cell check.
     refused_families: dict[QuantFamily, str] = field(default_factory=dict)
+    # MX: hidden and intermediate (after padding) must be whole 32-element groups.
+    needs_full_mx_groups: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ def _probe_triton(scheme, in_dtype, device, weights) -> Optional[str]:
     major, minor = torch.cuda.get_device_capability(device)
     if scheme.weight_dtype is not None and scheme.weight_dtype.value == "fp8_e4m3" and (major, minor) < (8, 9):
         return f"FP8 needs compute capability >= 8.9, this GPU is sm{major}{minor}"
+    if scheme.k_pack > 1 and major < 8:
+        return (f"MXFP4 decodes into bf16/fp16 MMA with sm80 instructions, this GPU is sm{major}{minor}; "
+                "use an sm80+ GPU or torch.reference")
     return None
 
 
@@ -109,7 +114,9 @@ _BATCHED_TRITON_REFUSALS = {
 EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
-                "CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16", supports_lora=True),
+                "CUDA GPU (fp8 and MXFP8 need sm89+, MXFP4 sm80+; MX needs hidden and intermediate multiples of 32 "
+                "after padding); CPU only under TRITON_INTERPRET=1 and fp16", needs_full_mx_groups=True,
+                supports_lora=True),
     ExpertsSpec("torch.grouped_mm", ".grouped_mm:GroupedMMExperts", STANDARD,
                 frozenset({"unquantized", ROWWISE_FP8}), ACTIVATIONS, frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}),
                 True, _probe_grouped_mm,

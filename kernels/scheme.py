@@ -14,17 +14,24 @@ from typing import Optional
 import torch
 
 from moerules.activation import Dtype
-from moerules.quant import Granularity, QuantConfig, QuantDtype, QuantFamily
+from moerules.quant import ALLOWED_GRANULARITY, Granularity, QuantConfig, QuantDtype, QuantFamily
+
+from .mx import FP4_STORAGE, MX_GROUP
 
 # Block size of DeepSeek-style scales: 128x128 weight tiles, 1x128 activation groups.
 QUANT_BLOCK = 128
 
 TORCH_DTYPE = {Dtype.bf16: torch.bfloat16, Dtype.fp16: torch.float16, Dtype.fp32: torch.float32}
-QUANT_TORCH_DTYPE = {QuantDtype.fp8_e4m3: torch.float8_e4m3fn, QuantDtype.int8: torch.int8}
+# Storage dtype of quantised tensors; fp4 e2m1 is stored two per byte along K (see mx.py).
+QUANT_TORCH_DTYPE = {QuantDtype.fp8_e4m3: torch.float8_e4m3fn, QuantDtype.int8: torch.int8,
+                     QuantDtype.fp4_e2m1: FP4_STORAGE}
+# Scale elements per K-block of the weights, by weight granularity (0: the scale does not change along K).
+K_BLOCK = {Granularity.block128: QUANT_BLOCK, Granularity.group32: MX_GROUP}
 
-# Families the kernels in this package implement; the rest (MX, NVFP4, int4) belong to a later issue.
+# Families the kernels in this package implement; the rest (NVFP4, MXFP4 W4A4/W4A8, int4) are not here yet.
 IMPLEMENTED_FAMILIES = frozenset({QuantFamily.unquantized, QuantFamily.fp8_w8a8, QuantFamily.fp8_w8a16,
-                                  QuantFamily.int8_w8a8, QuantFamily.int8_w8a16})
+                                  QuantFamily.int8_w8a8, QuantFamily.int8_w8a16, QuantFamily.mxfp4_w4a16,
+                                  QuantFamily.mxfp8})
 
 
 class UnsupportedScheme(ValueError):
@@ -81,6 +88,21 @@ class Scheme:
     def quantizes_activations(self) -> bool:
         return self.act_dtype is not None
 
+    @property
+    def weight_k_block(self) -> int:
+        """K extent of one weight scale (128 for block128, 32 for MX), 0 when the scale is constant along K."""
+        return K_BLOCK.get(self.weight_granularity, 0)
+
+    @property
+    def is_mx(self) -> bool:
+        """OCP MX weights: e8m0 scales per 1x32 group along K (activations too when quantised)."""
+        return self.weight_granularity == Granularity.group32
+
+    @property
+    def k_pack(self) -> int:
+        """Weight elements per stored element along K: 2 for packed fp4, else 1."""
+        return 2 if self.weight_dtype == QuantDtype.fp4_e2m1 else 1
+
 
 def scheme_cells() -> dict[str, Scheme]:
     """Every scheme cell implemented here, by cell name (used by the registry and tests)."""
@@ -96,14 +118,14 @@ def scheme_cells() -> dict[str, Scheme]:
     configs += [QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128, activation_granularity=G.group128),
                 QuantConfig(family=F.int8_w8a8)]
     configs += [QuantConfig(family=F.fp8_w8a16, weight_granularity=w) for w in (G.tensor, G.channel, G.block128)]
-    configs += [QuantConfig(family=F.int8_w8a16)]
+    configs += [QuantConfig(family=F.int8_w8a16), QuantConfig(family=F.mxfp4_w4a16), QuantConfig(family=F.mxfp8)]
     return {s.cell: s for s in map(Scheme.from_quant, configs)}
 
 
 def quant_for_cell(cell: str) -> QuantConfig:
     """The QuantConfig whose scheme is `cell` (a key of `scheme_cells()`), for tests and benchmarks."""
     s = scheme_cells()[cell]
-    if s.weight_dtype is None:
-        return QuantConfig()
+    if s.family not in ALLOWED_GRANULARITY:  # the family fixes its keys (unquantized, MX)
+        return QuantConfig(family=s.family)
     return QuantConfig(family=s.family, weight_granularity=s.weight_granularity,
                        activation_granularity=s.act_granularity, activation_dynamic=s.act_dynamic)

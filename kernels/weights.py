@@ -4,6 +4,7 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
   w13 [E, N1, H]: gated: gate rows then up rows, or for `swigluoai` interleaved (gate0, up0, gate1, ...);
       non-gated (`*_no_mul` activations): I rows, the activation is applied elementwise.
   w2  [E, H, I]
+  (packed fp4 weights, MXFP4: w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, two e2m1 values per byte along K)
   w13_bias [E, N1], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
@@ -21,6 +22,7 @@ from moerules.activation import Dtype
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
 from .lora import LoRAWeights
+from .mx import E8M0_BIAS, MX_GROUP
 from .quantize import FP8_MAX, quantize_weight
 from .scheme import QUANT_BLOCK, TORCH_DTYPE, Scheme
 
@@ -52,12 +54,14 @@ class MoEWeights:
     lora: Optional[LoRAWeights] = None
 
     def __post_init__(self):
-        E, rows, H = self.w13.shape
+        E, rows, _ = self.w13.shape
         I = rows // 2 if self.gated else rows
-        if (self.gated and rows % 2) or self.w2.shape != (E, H, I):
+        if (self.gated and rows % 2) or self.w2.shape[:2] != (E, self.hidden) or self.intermediate != I:
             layout = "[E, 2I, H] / [E, H, I] pair (gated)" if self.gated else "[E, I, H] / [E, H, I] pair (non-gated)"
-            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not form a {layout}; "
-                             f"gated={self.gated} must match the activation (the *_no_mul ones are non-gated)")
+            packed = ", K packed two per byte" if self.scheme.k_pack > 1 else ""
+            raise ValueError(f"w13 {tuple(self.w13.shape)} and w2 {tuple(self.w2.shape)} do not form a {layout}"
+                             f"{packed}; gated={self.gated} must match the activation (the *_no_mul ones are "
+                             "non-gated)")
         if (self.scheme.weight_dtype is None) != (self.w13_scale is None):
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
         self.check_lora()
@@ -75,12 +79,12 @@ class MoEWeights:
 
     @property
     def hidden(self) -> int:
-        """Hidden size the kernels see (padded if `pad_weights` ran)."""
-        return self.w13.shape[2]
+        """Hidden size the kernels see (padded if `pad_weights` ran); logical, not the packed width."""
+        return self.w13.shape[2] * self.scheme.k_pack
 
     @property
     def intermediate(self) -> int:
-        return self.w2.shape[2]
+        return self.w2.shape[2] * self.scheme.k_pack
 
     @property
     def has_bias(self) -> bool:
@@ -157,7 +161,8 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
         return weights
     if min(pads) < 0:
         raise ValueError(f"pads must be >= 0, got {pads}")
-    gran = weights.scheme.weight_granularity
+    scheme = weights.scheme
+    gran = scheme.weight_granularity
     I = weights.intermediate
     layout = _row_layout(gated=weights.gated, interleaved=interleaved)
     # [gate | up] halves: the up half moves from row I to row I + intermediate_pad. Its rows keep their
@@ -167,10 +172,15 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
         raise ValueError(f"block128 weights with intermediate {I} cannot be padded by {intermediate_pad}: the up "
                          f"half would move from row {I} to row {I + intermediate_pad} and straddle a "
                          f"{QUANT_BLOCK}-row scale block (both must be multiples of {QUANT_BLOCK})")
+    pack = scheme.k_pack
+    if hidden_pad % pack or intermediate_pad % pack:
+        raise ValueError(f"packed fp4 weights hold {pack} values per byte along K; hidden_pad and intermediate_pad "
+                         f"must be multiples of {pack}, got {pads}")
+    H = weights.hidden
     hp, ip = pads
     weights.w13 = _pad_rows(weights.w13, ip, layout, 0.0, dim=1)
-    weights.w13 = _pad_dim(weights.w13, 2, hp, 0.0)
-    weights.w2 = _pad_dim(_pad_dim(weights.w2, 1, hp, 0.0), 2, ip, 0.0)
+    weights.w13 = _pad_dim(weights.w13, 2, hp // pack, 0.0)
+    weights.w2 = _pad_dim(_pad_dim(weights.w2, 1, hp, 0.0), 2, ip // pack, 0.0)
     if weights.has_bias:
         weights.w13_bias = _pad_rows(weights.w13_bias, ip, layout, 0.0, dim=1)
         weights.w2_bias = _pad_dim(weights.w2_bias, 1, hp, 0.0)
@@ -180,6 +190,9 @@ def pad_weights(weights: MoEWeights, *, hidden_pad: int, intermediate_pad: int, 
     elif gran == Granularity.block128:
         weights.w13_scale = _pad_blocks(weights.w13_scale, weights.w13.shape[1:], layout)
         weights.w2_scale = _pad_blocks(weights.w2_scale, weights.w2.shape[1:], _AT_END)
+    elif scheme.is_mx:
+        weights.w13_scale = _pad_rows(_pad_mx_groups(weights.w13_scale, H, hp), ip, layout, E8M0_BIAS, dim=1)
+        weights.w2_scale = _pad_dim(_pad_mx_groups(weights.w2_scale, I, ip), 1, hp, E8M0_BIAS)
     if weights.lora is not None:
         weights.lora = pad_lora(weights.lora, hidden_pad=hp, intermediate_pad=ip, gated=weights.gated,
                                 interleaved=interleaved)
@@ -235,3 +248,12 @@ def _pad_blocks(scale: torch.Tensor, padded_nk: torch.Size, layout: str) -> torc
     if layout == _HALVES:
         return _pad_rows(scale, (nb - scale.shape[1]) // 2, _HALVES, 1.0, dim=1)
     return _pad_dim(scale, 1, nb - scale.shape[1], 1.0)
+
+
+def _pad_mx_groups(scale: torch.Tensor, k: int, k_pad: int) -> torch.Tensor:
+    """Grow a [E, N, ceil(K/32)] e8m0 tensor to cover K + k_pad with scales 2^0 (biased 127).
+
+    The padded elements are zero, so any scale is exact; 1.0 keeps them plain. Zeros appended
+    to a partial last group keep that group's scale, which is just as exact.
+    """
+    return _pad_dim(scale, 2, -(-(k + k_pad) // MX_GROUP) - scale.shape[2], E8M0_BIAS)

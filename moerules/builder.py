@@ -62,7 +62,7 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                            quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
                            activation_format=decision.activation_format.value,
                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
-                           weights=weights, device=device if device is not None else weights.device,
+                           weight_block=decision.quant.weight_block, weights=weights, device=device if device is not None else weights.device,
                            routing=routing if routing is not None else routing_for(decision),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
                            timeout_s=timeout_s)

@@ -33,7 +33,7 @@ from ..quantize import _scale_from_amax, cast_saturated, qmax
 from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
 from .config import MoEConfig, batched_config, check_batched_config
-from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _mma, _step_scales, _tile_coords
+from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _k_step, _tile_coords
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
 
 
@@ -59,19 +59,11 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        b1 = tl.load(w_ptr + n1[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        sa, s1, s2 = 1.0, 1.0, 1.0  # unused unless block-scaled
-        if W_SCALE == 3:
-            sa, s1 = _step_scales(a_scale_ptr, rows, row_ok, stride_asm, w_scale_ptr, n1, col_ok, stride_wsn, k0,
-                                  A_SCALE)
-        acc1 = _mma(acc1, a, b1, sa, s1, W_SCALE, UPCAST_W)
+        acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n1, col_ok, stride_wn,
+                       stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K)
         if TWO:
-            b2 = tl.load(w_ptr + n2[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-            if W_SCALE == 3:
-                sa, s2 = _step_scales(a_scale_ptr, rows, row_ok, stride_asm, w_scale_ptr, n2, col_ok, stride_wsn, k0,
-                                      A_SCALE)
-            acc2 = _mma(acc2, a, b2, sa, s2, W_SCALE, UPCAST_W)
+            acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n2, col_ok, stride_wn,
+                           stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K)
     acc1 = _epilogue_scale(acc1, a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if TWO:
         acc2 = _epilogue_scale(acc2, a_scale_ptr, rows, row_ok, w_scale_ptr, n2, col_ok, stride_wsn, A_SCALE,

@@ -18,6 +18,7 @@ from typing import Optional
 
 from moerules.quant import Granularity
 
+from ..mx import MX_GROUP
 from ..scheme import Scheme
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -50,6 +51,8 @@ def dtype_key(scheme: Scheme, in_dtype_name: str) -> str:
     """Which config family a scheme uses: tiles depend on operand widths and block scaling."""
     if scheme.weight_dtype is None:
         return in_dtype_name
+    if scheme.is_mx:
+        return scheme.family.value  # "mxfp4_w4a16" / "mxfp8": their K steps are bound to the 32-groups
     if scheme.act_dtype is None:
         return "w8a16"
     base = f"{scheme.act_dtype.value.split('_')[0]}_w8a8"
@@ -68,22 +71,47 @@ def _load_file(name: str) -> Optional[dict[int, MoEConfig]]:
     return {int(m): MoEConfig.from_dict(c) for m, c in json.loads(path.read_text()).items()}
 
 
-def default_config(*, num_tokens: int, num_experts: int, top_k: int, eight_bit: bool) -> MoEConfig:
+def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Scheme) -> MoEConfig:
     """Heuristic for shapes without a tuned file.
 
     BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
     blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
-    take a longer K step for the same bytes per load. Both K steps divide the 128 of block scales.
+    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales).
+    MX has its own table (`_mx_config`).
     """
     rows_per_expert = num_tokens * top_k / num_experts
+    if scheme.is_mx:
+        return _mx_config(rows_per_expert, fp4=scheme.k_pack > 1)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
-    block_k = 128 if eight_bit else 64
+    block_k = 128 if scheme.weight_dtype is not None else 64
     small = block_m <= 32
-    g1 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
-                    num_warps=4 if small else 8, num_stages=4 if small else 3)
-    g2 = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
-                    num_warps=4 if small else 8, num_stages=4 if small else 3)
-    return MoEConfig(BLOCK_M=block_m, gemm1=g1, gemm2=g2)
+    g = GemmConfig(BLOCK_N=64 if small else 128, BLOCK_K=block_k, GROUP_M=1 if small else 8,
+                   num_warps=4 if small else 8, num_stages=4 if small else 3)
+    return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
+
+
+def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
+    """MX defaults, from sweeps on gpt-oss-120b shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
+
+    MXFP4 is bound by its in-register decode, and every BLOCK_M block of an expert decodes that
+    expert's weights again, so BLOCK_M is the smallest power of two that holds the mean rows per
+    expert (one block, one decode): e.g. at M=2048 one 64-row block ran 1.36x faster than a 128-row
+    one and 2x faster than two 32-row ones. MXFP8 steps one 32-group per K step (see fused_moe.py).
+    """
+    if fp4:
+        block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
+        g = {16: GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
+             32: GemmConfig(BLOCK_N=128, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=4),
+             64: GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+             128: GemmConfig(BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)}[block_m]
+        return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
+    if rows_per_expert <= 48:
+        block_m = 16 if rows_per_expert <= 16 else 32
+        g = GemmConfig(BLOCK_N=64, BLOCK_K=MX_GROUP, GROUP_M=1, num_warps=4, num_stages=4)
+    else:
+        block_m = 64 if rows_per_expert <= 160 else 128
+        g = GemmConfig(BLOCK_N=128, BLOCK_K=MX_GROUP, GROUP_M=8, num_warps=8, num_stages=3)
+    return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
 def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,
@@ -94,8 +122,7 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     if table:
         cfg = table[min(table, key=lambda m: abs(m - num_tokens))]
     else:
-        cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
-                             eight_bit=scheme.weight_dtype is not None)
+        cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k, scheme=scheme)
     check_config(cfg, scheme)
     return cfg
 
@@ -107,8 +134,7 @@ def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens:
     with this rank's tokens and experts (under expert parallelism each local expert gathers from every
     rank, which cancels the smaller E_local), with BLOCK_M no larger than a batch of max_tokens rows needs.
     """
-    cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k,
-                         eight_bit=scheme.weight_dtype is not None)
+    cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k, scheme=scheme)
     cfg = replace(cfg, BLOCK_M=min(cfg.BLOCK_M, max(16, 1 << (max_tokens - 1).bit_length())))
     check_batched_config(cfg, scheme)
     return cfg
@@ -126,5 +152,9 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
     for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
         if scheme.weight_granularity == Granularity.block128 and 128 % g.BLOCK_K:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must divide 128 for block-scaled weights")
+        if scheme.is_mx and scheme.k_pack > 1 and g.BLOCK_K % MX_GROUP:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MXFP4 weights")
+        if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K != MX_GROUP:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be {MX_GROUP} for MXFP8 (one e8m0 group per K step)")
     if cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16)")

@@ -15,11 +15,27 @@ rounded up to a power of two >= 16 (tl.dot's smallest K); ranks past the real on
 so the adapters need no padded copy.
 
 Scale codes (tl.constexpr):
-  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128]
-  W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128]
+  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128],
+           4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
+  W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
+           4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
+  W_FP4:   the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
-block scales change along K, so each K step is scaled before it is added (BLOCK_K divides 128).
-W8A16 (A_SCALE 0 with quantised weights) upcasts the weight tile to the activation dtype in the loop.
+block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
+tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
+whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
+  - MXFP4: the packed tile is unpacked and scaled (exactly: the scales are powers of two) into the
+    activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet the
+    low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the decode
+    instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
+    instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
+    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. `tl.dot_scaled`, whose Hopper
+    lowering upcasts in the compiler, measured no faster than the Triton-code decode (H200, Triton 3.6)
+    and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
+  - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
+    stored bytes and its [BLOCK_M, BLOCK_N] result is scaled by sa*sw before it is added (as block128):
+    fp8 tensor-core rate and fp8 bytes in shared memory, at one MMA wait per 32 of K. Upcasting both
+    operands with their scales to bf16 (tl.dot_scaled) instead measured 1.0-2x slower on H200.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
 SWIGLUOAI_ALPHA = tl.constexpr(1.702)  # globals used in @jit must be tl.constexpr objects
 SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 SCALE_BLOCK = tl.constexpr(128)
+MX_GROUP = tl.constexpr(32)
 
 
 @triton.jit
@@ -55,15 +72,36 @@ def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _e8m0(s):
+    """e8m0 bytes -> 2^(s - 127) in fp32, written straight into the exponent bits (exact for 1 <= s <= 254)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_x2pow14(t):
+    """The e2m1 nibble held in bits 12..15 of t (int32) -> its value * 2^-14 in fp32, exactly.
+
+    Sign and exponent/mantissa bits are moved to their fp16 places (sign 15, e 10..11, m 9): an fp16
+    with exponent bias 15 then reads 2^(e-15) * (1 + m/2), and code 1 (0.5) is the fp16 subnormal 2^-15.
+    """
+    bits = (t & 0x8000) | ((t >> 3) & 0x0E00)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
-                 A_SCALE: tl.constexpr):
-    """Scales of one K step under block scaling: a group scale per row, a block scale per column."""
-    kb = k0 // SCALE_BLOCK
+                 A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
+    """Scales of one K step under block/group scaling: a group scale per row, a block/group scale per column."""
     if A_SCALE == 3:
-        sa = tl.load(a_scale_ptr + a_rows * stride_asm + kb, mask=row_ok, other=0.0)
+        sa = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
+    elif A_SCALE == 4:
+        sa = _e8m0(tl.load(a_scale_ptr + a_rows * stride_asm + k0 // MX_GROUP, mask=row_ok, other=0))
     else:
         sa = tl.full(a_rows.shape, 1.0, tl.float32)
-    sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + kb, mask=col_ok, other=0.0)
+    if W_SCALE == 4:
+        sw = _e8m0(tl.load(w_scale_e + w_rows.to(tl.int64) * stride_wsn + k0 // MX_GROUP, mask=col_ok, other=0))
+    else:
+        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
     return sa, sw
 
 
@@ -71,10 +109,96 @@ def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col
 def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr):
     if UPCAST_W:
         b = b.to(a.dtype)
-    if W_SCALE == 3:
+    if W_SCALE >= 3:
         acc += tl.dot(a, b).to(tl.float32) * sa[:, None] * sw[None, :]
     else:
         acc = tl.dot(a, b, acc, out_dtype=acc.dtype)  # int32 for int8 operands
+    return acc
+
+
+# Four packed bytes -> the bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3), each
+# times its bf16 scale ($5, $6 hold the scales of bytes 0,1 and 2,3). Two bytes at a time go to the
+# two halves of a register (prmt), then each nibble is moved into bf16 place with shifts and masks:
+# sign -> bit 15, exponent and mantissa -> bits 6..8, which reads as value * 2^-126 (code 1, 0.5, is a
+# bf16 subnormal). Multiplying by 2^126 and then by the scale (powers of two; fma with -0 keeps every
+# sign, and bf16x2 fma is sm80+) is exact. That is 3.5 PTX instructions per weight; compiled for sm90,
+# GEMM1's main loop (BLOCK 16x32x64) came to 7.2 SASS instructions per weight, against 11 with the
+# Triton-code decode of _e2m1_unpack, and gpt-oss ran 1.3x faster end to end.
+_E2M1X4_TO_BF16 = tl.constexpr("""{
+.reg .b32 p0, p1, s, m, v, zero, negz, two126;
+mov.b32 zero, 0;
+mov.b32 negz, 0x80008000;
+mov.b32 two126, 0x7E807E80;
+prmt.b32 p0, $4, zero, 0x4140;
+prmt.b32 p1, $4, zero, 0x4342;
+shl.b32 s, p0, 12; and.b32 s, s, 0x80008000; shl.b32 m, p0, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $0, v, $5, negz;
+shl.b32 s, p1, 12; and.b32 s, s, 0x80008000; shl.b32 m, p1, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $1, v, $6, negz;
+shl.b32 s, p0, 8; and.b32 s, s, 0x80008000; shl.b32 m, p0, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $2, v, $5, negz;
+shl.b32 s, p1, 8; and.b32 s, s, 0x80008000; shl.b32 m, p1, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
+fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $3, v, $6, negz;
+}""")
+
+
+@triton.jit
+def _e2m1_unpack_bf16(packed, s):
+    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values."""
+    scale = tl.broadcast_to((s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True), packed.shape)   # 2^(s - 127)
+    return tl.inline_asm_elementwise(_E2M1X4_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_unpack(packed, s, dtype: tl.constexpr):
+    """The same in Triton code, for fp16 (and the interpreter): nibbles through fp16 bit patterns, fp32 scaling."""
+    t = packed.to(tl.int32)
+    # 2^(s - 127) * 2^14 undoes the 2^-14 of _e2m1_x2pow14; the exponent field s + 14 is finite for s <= 240
+    # (group amax below 2^116: larger weights could not be fp16 MMA operands anyway).
+    scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    return (_e2m1_x2pow14(t << 12) * scale).to(dtype), (_e2m1_x2pow14(t << 8) * scale).to(dtype)
+
+
+@triton.jit
+def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
+
+    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along its bytes.
+    """
+    HALF: tl.constexpr = MX_GROUP // 2
+    rows = w_rows.to(tl.int64)
+    g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
+    mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
+    byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
+    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
+    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
+    if a.dtype == tl.bfloat16:
+        w_even, w_odd = _e2m1_unpack_bf16(packed, s)
+    else:
+        w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+    acc = tl.dot(a_even, tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N)), acc)
+    return tl.dot(a_odd, tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N)), acc)
+
+
+@triton.jit
+def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn,
+            k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
+            W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
+    if W_FP4:
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+    else:
+        b = tl.load(w_e + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        sa, sw = 1.0, 1.0  # unused unless block/group-scaled
+        if W_SCALE >= 3:
+            sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn,
+                                  k0, A_SCALE, W_SCALE)
+        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
     return acc
 
 
@@ -169,8 +293,8 @@ def gemm1_gated_kernel(
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
         num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
-        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
@@ -198,20 +322,11 @@ def gemm1_gated_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        bg = tl.load(w_e + gate_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
+        acc_g = _k_step(acc_g, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, gate_rows, col_ok, stride_wn,
+                        stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATED:
-            bu = tl.load(w_e + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=b_mask, other=0.0)
-        sa, sg, su = 1.0, 1.0, 1.0  # unused unless block-scaled
-        if W_SCALE == 3:
-            sa, sg = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, gate_rows, col_ok, stride_wsn, k0,
-                                  A_SCALE)
-            if GATED:
-                sa, su = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, ws_e, up_rows, col_ok, stride_wsn,
-                                      k0, A_SCALE)
-        acc_g = _mma(acc_g, a, bg, sa, sg, W_SCALE, UPCAST_W)
-        if GATED:
-            acc_u = _mma(acc_u, a, bu, sa, su, W_SCALE, UPCAST_W)
+            acc_u = _k_step(acc_u, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, up_rows, col_ok, stride_wn,
+                            stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
     lb_e = lora_b_ptr + e * stride_lbe
     gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
@@ -239,8 +354,8 @@ def gemm2_weighted_kernel(
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
         num_slots, num_m_blocks, N, K,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
-        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ACC_INT: tl.constexpr,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
@@ -259,12 +374,8 @@ def gemm2_weighted_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_e + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        sa, sw = 1.0, 1.0  # unused unless block-scaled
-        if W_SCALE == 3:
-            sa, sw = _step_scales(a_scale_ptr, slot, row_ok, stride_asm, ws_e, cols, col_ok, stride_wsn, k0, A_SCALE)
-        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
+        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
+                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
     out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

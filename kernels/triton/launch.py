@@ -26,8 +26,8 @@ from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLU
                         gemm2_weighted_kernel, lora_shrink_kernel)
 
 G = Granularity
-_A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3}
-_W_SCALE = {None: 0, G.tensor: 1, G.channel: 2, G.block128: 3}
+_A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3, G.group32: 4}
+_W_SCALE = {None: 0, G.tensor: 1, G.channel: 2, G.block128: 3, G.group32: 4}
 ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activation.gelu_tanh: ACT_GELU_TANH,
                    Activation.swigluoai: ACT_SWIGLUOAI, Activation.swigluoai_uninterleave: ACT_SWIGLUOAI,
                    Activation.silu_no_mul: ACT_SILU, Activation.gelu_no_mul: ACT_GELU,
@@ -40,11 +40,14 @@ _SHRINK_BLOCK_K = 128
 def _scheme_flags(scheme: Scheme) -> dict:
     return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
                 UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
-                ACC_INT=scheme.act_torch_dtype == torch.int8)
+                W_FP4=scheme.k_pack == 2, ACC_INT=scheme.act_torch_dtype == torch.int8)
 
 
 def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
-    """(per-expert or per-row stride, per-N-row stride) of a scale tensor in the layouts of quantize.py."""
+    """(per-expert or per-row stride, per-N-row stride) of a scale tensor in the layouts of quantize.py.
+
+    Weight scales [E, N/128, K/128] (block) and [E, N, K/32] (MX) share the second form.
+    """
     if scale is None or scale.dim() == 1:
         return 1, 0
     return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
@@ -93,7 +96,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
               remote_slots: bool = False) -> torch.Tensor:
     """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
 
-    `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8).
+    `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8 or MXFP8).
     `config` overrides the file/heuristic lookup (the tuner uses it).
     `remote_slots`: topk_ids may hold -1 (expert on another rank under EP). moe_align drops
     those slots, so the kernels never write their rows; the buffers then start zeroed so the

@@ -1,13 +1,12 @@
 """The decisions the default rules produce on one platform, reduced to what a build depends on.
 
 Configs: every model preset x every quant scheme of the decision matrix x LoRA on/off x
-packages (ours only, or every package) x parallel (single GPU, TP=2) x explicit pins of our
-backends, plus the non-gated activations on a Mixtral-like model. Each is decided with the
+packages (ours only, or every package) x explicit pins of our backends, plus the non-gated activations on a Mixtral-like model. Each is decided with the
 real model shapes; decisions that build the same layer collapse into one `BuildCase`, which
 is then built on tiny weights of the same alignment class (see `tiny_dims`).
 
-Expert parallelism (dispatchers other than `local`) is walked by tests/ep with real process
-groups; here every parallel config keeps the local dispatcher.
+Decisions for several ranks (TP, DP, EP) build only over a process group with a weight shard;
+tests/ep builds those with real gloo groups. Here every config is one device.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from moerules.engine.matrix import QUANTS
 from moerules.presets import PRESETS
 
 OUR_BACKENDS = ("triton", "batched_triton", "torch_grouped_mm", "torch_reference")
-PARALLELS = ({}, {"tp": 2})
 NON_GATED = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")
 
 
@@ -52,7 +50,7 @@ class BuildCase:
 def tiny_dims(config: MoEConfig) -> tuple[int, int, int]:
     """(experts, hidden, intermediate per partition) small enough for the interpreter.
 
-    Dimensions stay congruent modulo 256 to the real ones (4096 -> 256, 2880 -> 320, 1440 -> 416),
+    Dimensions stay congruent modulo 256 to the real ones (4096 -> 256, 2880 -> 320, 768 -> 256),
     so every alignment the rules and kernels test (32, 64, 128, 256) holds or fails alike, and
     the decision's pads bring them to the same multiples.
     """
@@ -67,17 +65,16 @@ def configs(platform: dict, in_dtype: str) -> Iterator[MoEConfig]:
         for quant in QUANTS:
             for lora in (False, True):
                 for packages in (["triton"], all_packages):
-                    for parallel in PARALLELS:
-                        for pin in ("auto",) + OUR_BACKENDS:
-                            yield _config(model, quant, platform, packages, parallel, lora, pin)
+                    for pin in ("auto",) + OUR_BACKENDS:
+                        yield _config(model, quant, platform, packages, lora, pin)
     mixtral = {**PRESETS["mixtral-8x7b"]["model"], "in_dtype": in_dtype}
     for activation in NON_GATED:
         for quant in QUANTS:
-            yield _config({**mixtral, "activation": activation}, quant, platform, ["triton"], {}, False, "auto")
+            yield _config({**mixtral, "activation": activation}, quant, platform, ["triton"], False, "auto")
 
 
-def _config(model, quant, platform, packages, parallel, lora, pin) -> MoEConfig:
-    return MoEConfig(model=model, quant=quant, platform={**platform, "packages": packages}, parallel=parallel,
+def _config(model, quant, platform, packages, lora, pin) -> MoEConfig:
+    return MoEConfig(model=model, quant=quant, platform={**platform, "packages": packages},
                      features={"lora": lora, "backend": pin})
 
 

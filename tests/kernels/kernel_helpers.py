@@ -8,7 +8,7 @@ from moerules.activation import Activation, Dtype
 from moerules.kernels import build_layer, make_random_lora, make_random_weights
 from moerules.kernels.reference import moe_reference
 from moerules.kernels.routing import fused_topk
-from moerules.kernels.scheme import TORCH_DTYPE
+from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.scheme import quant_for_cell as quant_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,6 +24,7 @@ def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activati
     if lora_rank:
         w.lora = make_random_lora(num_experts=E, hidden=H, intermediate=I, rank=lora_rank, in_dtype=dtype,
                                   gated=activation.gated, seed=seed + 100, device=device)
+    kw.setdefault("weight_block", Scheme.from_quant(quant_of(cell)).weight_k_block)  # as the rules set it
     return build_layer(kernel_id=kernel_id, prepare_finalize_id="local", quant=quant_of(cell), activation=activation,
                        in_dtype=dtype, activation_format="standard", weights=w, device=device, **kw)
 

@@ -34,7 +34,7 @@ def _build(**overrides):
     (dict(kernel_id="cutlass.nope"), r"^cutlass\.nope: unknown kernel id; registered: .*torch\.grouped_mm"),
     (dict(prepare_finalize_id="deepep"), r"^torch\.reference: unknown prepare/finalize id 'deepep'"),
     (dict(activation_format="batched"), r"activation format 'batched' requested"),
-    (dict(quant=QuantConfig(family=QuantFamily.mxfp4_w4a16)), r"'mxfp4_w4a16' has no kernel"),
+    (dict(quant=QuantConfig(family=QuantFamily.nvfp4)), r"'nvfp4' has no kernel"),
     (dict(activation=Activation.relu2_no_mul), r"activation 'relu2_no_mul' needs w13 with I rows, but the weights "
                                                r"are gated"),
     (dict(kernel_id="torch.grouped_mm", quant=quant_of("int8_w8a8/channel/token"),
@@ -206,7 +206,7 @@ def test_block128_halves_padding_keeps_scale_blocks(intermediate, pad):
                                                r"scale block \(both must be multiples of 128\)$"):
         build_layer(kernel_id="torch.reference", prepare_finalize_id="local", quant=quant_of("fp8_w8a16/block128"),
                     activation=Activation.silu, in_dtype=Dtype.bf16, activation_format="standard", weights=w,
-                    device="cpu", intermediate_pad=pad)
+                    device="cpu", intermediate_pad=pad, weight_block=128)
 
 
 def test_block128_halves_padding_by_whole_blocks_is_exact():

@@ -65,6 +65,11 @@ VARIATIONS: dict[str, dict] = {
     "no_grouped_mm": {"platform": {"torch_grouped_mm": False}},
     "hidden=2880": {"model": {"hidden_size": 2880}},
     "intermediate=2880": {"model": {"intermediate_size": 2880}},
+    "hidden=2000+intermediate=2848": {"model": {"hidden_size": 2000, "intermediate_size": 2848}},
+    "experts=6+tp4_ep": {"model": {"num_experts": 6}, "parallel": {"tp": 4, "expert_parallel": True}},
+    "act=relu2_no_mul+a2a=torch_all2all_batched": {
+        "model": {"activation": "relu2_no_mul"},
+        "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all_batched"}},
     **{f"a2a={b.value}": {"parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": b.value}}
        for b in All2AllBackend},
     **{f"a2a={b.value}+triton_only": {"parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": b.value},

@@ -127,11 +127,10 @@ def _check_weight_block(kernel_id: str, scheme: Scheme, weight_block: int) -> No
     """The decision's weight block must be the one the weights were quantised with.
 
     mxfp8 and block-128 weights are plain fp8 bytes: read with the wrong block (0 above all) they
-    would be taken for per-tensor/channel FP8, as vLLM once converted MXFP8. Packed e2m1 has a single
-    layout, so a decision that states no block (0) cannot mis-read it and is accepted too.
+    would be taken for per-tensor/channel FP8, as vLLM once converted MXFP8.
     """
     expected = scheme.weight_k_block
-    if weight_block == expected or (scheme.k_pack > 1 and weight_block == 0):
+    if weight_block == expected:
         return
     what = f"K-block {expected}" if expected else "no K-block, 0"
     raise KernelBuildError(kernel_id, f"weight_block={weight_block} disagrees with the weights' scheme {scheme.cell} "

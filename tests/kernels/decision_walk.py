@@ -38,7 +38,7 @@ class BuildCase:
         return (d.kernel, d.prepare_finalize_kernel, q.family.value, str(q.weight_key), str(q.activation_key),
                 m.activation.value, m.in_dtype.value, m.has_bias, d.config.features.lora, d.padding.hidden_pad,
                 d.padding.intermediate_pad, d.quant.weight_block, d.quant.defer_input_quant,
-                tiny_dims(d.config))
+                m.hidden_size % 128 == 0, d.config.intermediate_per_partition % 128 == 0)
 
     def __str__(self) -> str:
         d, m = self.decision, self.decision.config.model
@@ -50,12 +50,12 @@ class BuildCase:
 def tiny_dims(config: MoEConfig) -> tuple[int, int, int]:
     """(experts, hidden, intermediate per partition) small enough for the interpreter.
 
-    Dimensions stay congruent modulo 256 to the real ones (4096 -> 256, 2880 -> 320, 768 -> 256),
-    so every alignment the rules and kernels test (32, 64, 128, 256) holds or fails alike, and
+    Dimensions stay congruent modulo 128 to the real ones (4096 -> 128, 2880 -> 192, 2848 -> 160),
+    so every alignment our kernels and their round-ups test (32, 64, 128) holds or fails alike, and
     the decision's pads bring them to the same multiples.
     """
     m = config.model
-    return (min(m.num_experts, 16), 256 + m.hidden_size % 256, 256 + config.intermediate_per_partition % 256)
+    return (min(m.num_experts, 8), 128 + m.hidden_size % 128, 128 + config.intermediate_per_partition % 128)
 
 
 def configs(platform: dict, in_dtype: str) -> Iterator[MoEConfig]:
@@ -71,6 +71,11 @@ def configs(platform: dict, in_dtype: str) -> Iterator[MoEConfig]:
     for activation in NON_GATED:
         for quant in QUANTS:
             yield _config({**mixtral, "activation": activation}, quant, platform, ["triton"], False, "auto")
+    # Shapes the MX round-ups pad (hidden to 32, intermediate to 64 / 32): the pads must reach the kernels.
+    unaligned = {**mixtral, "hidden_size": 2000, "intermediate_size": 2848}
+    for quant in QUANTS:
+        for lora in (False, True):
+            yield _config(unaligned, quant, platform, ["triton"], lora, "auto")
 
 
 def _config(model, quant, platform, packages, lora, pin) -> MoEConfig:
@@ -95,3 +100,16 @@ def build_cases(platform: dict, in_dtype: str) -> tuple[list[BuildCase], list[De
         case = BuildCase(decision)
         ours.setdefault(case.key, case)
     return list(ours.values()), list(external.values())
+
+
+def representatives(cases: list[BuildCase]) -> list[BuildCase]:
+    """One case per (kernel, scheme, LoRA, padded or not): the interpreter's share of a walk (activations and
+    biases of every scheme are covered by the kernel tests; the GPU walks every case)."""
+    seen: dict[tuple, BuildCase] = {}
+    for case in cases:
+        d, m = case.decision, case.decision.config.model
+        key = (d.kernel, str(d.config.quant.weight_key), str(d.config.quant.activation_key), m.activation.gated,
+               d.config.features.lora, bool(d.padding.hidden_pad or d.padding.intermediate_pad))
+        seen.setdefault(key, case)
+    return list(seen.values())
+

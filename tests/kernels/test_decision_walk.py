@@ -7,7 +7,8 @@ reference. Decisions naming an external kernel must refuse to build with an erro
 package, never run something else.
 
 On a CPU the sm_90 walk runs the Triton kernels under the interpreter, in fp16 (the
-interpreter's bf16 tl.dot is wrong); on a GPU it runs bf16 and fp16.
+interpreter's bf16 tl.dot is wrong), on one case per (kernel, scheme, gating, LoRA, padded):
+the interpreter needs ~10-50 s per MX layer. On a GPU every case runs, in bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from moerules.kernels import make_random_lora, make_random_weights
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE
 
-from decision_walk import BuildCase, build_cases, tiny_dims
+from decision_walk import BuildCase, build_cases, representatives, tiny_dims
 from kernel_helpers import reference64, rel_err
 
 HOPPER = {"vendor": "cuda", "arch": "sm_90"}
@@ -29,9 +30,10 @@ CPU = {"vendor": "cpu", "arch": "x86_64"}
 ON_GPU = torch.cuda.is_available()
 # Relative Frobenius error against float64 on the same quantised input: fp16/bf16 rounding of
 # the output and intermediate (8e-3 bf16), plus re-quantisation of the intermediate where the
-# scheme quantises activations (the reference re-quantises too, so only rounding differs).
-TOLERANCE = {False: 1e-2, True: 3e-2}
-TOKENS = 5
+# scheme quantises activations (the reference re-quantises too, so only rounding differs; with
+# 3 tokens and K ~ 128-200 one flipped fp8 rounding moves the norm by ~1e-2). A broken kernel is O(1).
+TOLERANCE = {False: 1e-2, True: 5e-2}
+TOKENS = 3
 
 
 def _walks():
@@ -47,7 +49,8 @@ CASES = {key: build_cases(platform, dtype) for key, (platform, dtype, _) in WALK
 
 def _params():
     for key, (ours, _) in CASES.items():
-        for index, case in enumerate(ours):
+        interpreted = WALKS[key][0] == HOPPER and not ON_GPU
+        for index, case in enumerate(representatives(ours) if interpreted else ours):
             yield pytest.param(key, case, id=f"{key}-{index}-{case}")
 
 
@@ -92,7 +95,7 @@ def test_the_walks_reach_every_kernel_and_scheme_they_should():
     kernels = {c.decision.kernel for ours, _ in CASES.values() for c in ours}
     families = {c.decision.config.quant.family.value for ours, _ in CASES.values() for c in ours}
     activations = {c.decision.config.model.activation.value for ours, _ in CASES.values() for c in ours}
-    assert {"torch.reference", "triton.fused_moe"} <= kernels
+    assert {"triton.fused_moe", "torch.grouped_mm" if ON_GPU else "torch.reference"} <= kernels
     assert {"unquantized", "fp8_w8a8", "fp8_w8a16", "int8_w8a8", "int8_w8a16", "mxfp4_w4a16", "mxfp8"} <= families
     assert {"silu", "swigluoai", "relu2_no_mul", "silu_no_mul", "gelu_no_mul"} <= activations
     assert any(c.decision.config.features.lora for ours, _ in CASES.values() for c in ours)

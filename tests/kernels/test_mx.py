@@ -288,7 +288,8 @@ def test_wrong_weight_block_is_refused_before_conversion(cell, weight_block, exp
 def test_right_weight_blocks_build():
     assert _build(MXFP8, 32).weights.scheme.cell == MXFP8
     assert _build(MXFP4, 32).weights.scheme.cell == MXFP4
-    assert _build(MXFP4, 0).weights.scheme.cell == MXFP4  # packed e2m1 has one layout: nothing to mis-convert
+    with pytest.raises(KernelBuildError, match=r"weight_block=0 disagrees with the weights' scheme mxfp4_w4a16/group32"):
+        _build(MXFP4, 0)  # the rules set 32 for every MX family (mxfp4.weight_block_32)
 
 
 @pytest.mark.parametrize("cell", MX_CELLS)

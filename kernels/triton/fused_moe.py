@@ -288,6 +288,20 @@ def lora_shrink_kernel(
 
 
 @triton.jit
+def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok, stride_wsn, bias_e, slot,
+                    lora_shrink_ptr, stride_lsm, lora_b_e, stride_lbn, lora_rank, A_SCALE: tl.constexpr,
+                    W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
+    """One GEMM1 output (gate or up rows) before the activation: scaled, plus bias, plus LoRA delta."""
+    h = _epilogue_scale(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    if HAS_BIAS:
+        h += tl.load(bias_e + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        h += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lora_b_e, w_rows, col_ok, stride_lbn, lora_rank,
+                         LORA_R)
+    return h
+
+
+@triton.jit
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
@@ -327,20 +341,15 @@ def gemm1_gated_kernel(
         if GATED:
             acc_u = _k_step(acc_u, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, up_rows, col_ok, stride_wn,
                             stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
+    b_e = bias_ptr + e * stride_be
     lb_e = lora_b_ptr + e * stride_lbe
-    gate = _epilogue_scale(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
-    if HAS_BIAS:
-        gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        gate += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lb_e, gate_rows, col_ok, stride_lbn, lora_rank,
-                            LORA_R)
+    gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,
+                           lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
+                           HAS_LORA, LORA_R)
     if GATED:
-        up = _epilogue_scale(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, A_SCALE, W_SCALE)
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_LORA:
-            up += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lb_e, up_rows, col_ok, stride_lbn, lora_rank,
-                              LORA_R)
+        up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
+                             lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
+                             HAS_LORA, LORA_R)
         out = _gated_activation(gate, up, ACTIVATION)
     else:
         out = _activation(gate, ACTIVATION)

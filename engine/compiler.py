@@ -1,145 +1,198 @@
-"""Compile a `RuleSet` into durable-rules JSON, phase by phase.
+"""Compile a `RuleSet` into durable-rules JSON: single-pattern rules, packed into shards.
 
 The compiler is the only path into durable-rules, so everything durable gets wrong
-silently is made impossible here:
+silently, or fatally, is made impossible here:
 - every pattern carries a type tag (`t`), because the engine's own state is a fact too;
 - negation is pushed into the comparisons (an expression-level `$not` never fires);
 - `in` becomes `$or` of equalities (durable has no `$in`);
-- the only absence test (`eligible` rules) is gated behind an externally asserted phase
-  fact and never placed first, because durable does not revise negation;
-- `backend.*` capabilities are resolved per backend at compile time, so no rule joins
-  a backend table at run time;
+- there is no negated pattern at all (durable never revises negation): eligibility is a
+  `$nex` test on one fact listing the rejected components, asserted from outside once the
+  rejections are known;
+- `backend.*` capabilities are resolved per backend at compile time, so no rule joins a
+  backend table at run time, and rules whose conditions come out identical (one
+  constraint over many backends) share one durable rule, fired once;
+- every rule is priced against durable's fixed capacities (`capacity.py`) and the rules of
+  one fact type are packed into shards that stay inside them; each shard is its own copy
+  of the fact (`s`), so no assert can overflow durable's stack or child tables however
+  many rules match; a rule that cannot fit alone is refused with its file:line;
 - one rule (`start`) fires on every config, so `delete_state` is always safe.
 
-Phases, each asserted from outside once the previous one has quiesced:
-    cfg          -> reject / priority / dispatch rules
-    eligibility  -> one `eligible` rule per component: phase fact and no reject fact
-    placement    -> plan rules that read the chosen backend and dispatcher
-    quantization -> plan rules that also read the placement
+Facts, each asserted from outside once the previous ones have quiesced:
+    cfg           one per shard: the config          -> reject / priority / dispatch rules
+    rej           one per chunk of components         -> `eligible` rules (absent = not rejected)
+    placement     config + plan.backend/dispatcher    -> plan rules of the placement stage
+    quantization  ... + plan.expects_unquantized_inputs -> plan rules of the quantization stage
 """
 
 from __future__ import annotations
 
-import copy
+import json
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from moerules.decision import SourceRef
 from moerules.errors import RuleFileError, RuleSetError
-from moerules.engine.expr import And, Cmp, Expr, FieldSpec, In, Not, Or, normalize
+from moerules.engine import capacity
+from moerules.engine.expr import And, Cmp, Expr, In, Not, Or, normalize
 from moerules.engine.rulefile import Backend
 from moerules.engine.ruleset import Rule, RuleSet
 
-CFG, REJECT, PHASE, PLAN = "cfg", "rej", "phase", "plan"
+CFG, REJECT = "cfg", "rej"
+STAGES = ("placement", "quantization")
+TAG, SHARD = "t", "s"  # reserved property names of every fact we assert
 _OPS = {"!=": "$neq", "<": "$lt", "<=": "$lte", ">": "$gt", ">=": "$gte"}
+# Components per `rej` fact: each eligibility test is a `$nex` node that is pushed when it
+# matches, so one fact may carry only as many as a shard's stack budget.
+CHUNK = capacity.SHARD_STACK - 12
 
 
 @dataclass(frozen=True)
-class Pattern:
-    alias: str
-    condition: dict   # durable JSON condition, type tag included
-    negated: bool = False
+class Firing:
+    """What a matched condition means in rule-file terms."""
+
+    name: str                   # trace name: "start", "<id>@<component>", "eligible@<component>", or the id
+    rule_id: str                # the rule-file id it came from
+    kind: str                   # start | reject | priority | dispatch | eligible | plan
+    target: Optional[str]       # the component a reject/eligible firing is about
+    source: Optional[SourceRef]
 
 
 @dataclass(frozen=True)
 class CompiledRule:
-    name: str                   # unique durable rule name
-    rule_id: str                # the rule-file id it came from
-    kind: str                   # start | reject | priority | dispatch | eligible | plan
-    target: Optional[str]       # component a reject/eligible rule is about
-    patterns: tuple[Pattern, ...]
-    source: Optional[SourceRef]
+    """One durable rule: one pattern on one fact type and shard, and every firing it stands for."""
 
-    def effects(self, sid: str) -> list[dict]:
-        """Facts the rule asserts when it fires (the chaining both engines perform)."""
-        if self.kind == "reject":
-            return [{"sid": sid, "t": REJECT, "b": self.target, "r": self.name}]
-        return []
+    name: str                   # durable rule name ("r<n>"; it never needs quoting)
+    tag: str
+    shard: int
+    condition: dict             # durable JSON, tag and shard tests included
+    firings: tuple[Firing, ...]
 
 
 class CompiledRules:
-    """A compiled rule set: durable JSON plus the table that maps rule names back to rule ids."""
+    """A compiled rule set: durable rules by name, and the shards of each fact type."""
 
-    def __init__(self, ruleset: RuleSet, rules: list[CompiledRule]):
+    def __init__(self, ruleset: RuleSet, rules: list[CompiledRule], chunks: list[tuple[str, ...]]):
         self.ruleset = ruleset
-        self.rules = {rule.name: rule for rule in rules}
         self.hash = ruleset.hash
+        self.rules = {rule.name: rule for rule in rules}
+        self.components = [name for chunk in chunks for name in chunk]  # `b<i>` of the `rej` facts
+        # The fields each shard's rules read: a fact carries only those, since durable's cost
+        # of an assert grows with the properties of the fact.
+        reads: dict[tuple[str, int], set[str]] = {}
+        for rule in rules:
+            reads.setdefault((rule.tag, rule.shard), set()).update(_paths(rule.condition) - {TAG, SHARD})
+        self.reads = {key: tuple(sorted(paths)) for key, paths in reads.items()}
 
-    def durable_definition(self) -> dict:
-        """A fresh copy each call: durable's Ruleset() deletes keys from what it is given."""
-        definition = {}
+    def firings(self) -> Iterable[Firing]:
         for rule in self.rules.values():
-            patterns = [{(p.alias + "$not") if p.negated else p.alias: p.condition} for p in rule.patterns]
-            definition[rule.name] = {"all": patterns, "run": f"fire:{rule.name}"}
-        return copy.deepcopy(definition)
+            yield from rule.firings
+
+    def durable_definition(self) -> str:
+        """The ruleset JSON durable's create_ruleset takes (actions are read from the agenda, not run)."""
+        return json.dumps({rule.name: {"all": [{"m": rule.condition}]} for rule in self.rules.values()})
 
 
 def compile_rules(ruleset: RuleSet) -> CompiledRules:
-    rules = [CompiledRule("start", "start", "start", None, (Pattern("c", {"t": CFG}),), None)]
+    components = list(ruleset.backends) + list(ruleset.dispatchers)
+    chunks = [tuple(components[i:i + CHUNK]) for i in range(0, len(components), CHUNK)]
+    conditions: dict[str, list] = {}  # tag -> [(condition, [firings])], identical conditions merged
+    _add(conditions, CFG, True, Firing("start", "start", "start", None, None))
     for rule in ruleset.constraints:
-        rules.extend(_constraint(rule, ruleset))
-    for rule in ruleset.priorities:
-        rules.extend(_on_config(rule, "priority"))
-    for rule in ruleset.dispatch:
-        rules.extend(_on_config(rule, "dispatch"))
-    for name in list(ruleset.backends) + list(ruleset.dispatchers):
-        rules.append(_eligible(name))
+        for target, condition in _violations(rule, ruleset):
+            _add(conditions, CFG, condition, Firing(f"{rule.id}@{target}", rule.id, "reject", target, rule.source))
+    for kind, rules in (("priority", ruleset.priorities), ("dispatch", ruleset.dispatch)):
+        for rule in rules:
+            _add(conditions, CFG, _when(rule), Firing(rule.id, rule.id, kind, None, rule.source))
     for rule in ruleset.plan:
-        rules.extend(_plan(rule))
-    return CompiledRules(ruleset, rules)
+        _add(conditions, rule.item.set.stage.value, _plan_condition(rule), Firing(rule.id, rule.id, "plan", None,
+                                                                                    rule.source))
+    compiled = [rule for tag, entries in conditions.items() for rule in _shards(tag, entries)]
+    compiled += _eligibility(chunks)
+    compiled = [CompiledRule(f"r{index}", r.tag, r.shard, r.condition, r.firings) for index, r in enumerate(compiled)]
+    if len(compiled) > capacity.RULE_SLOTS:
+        raise RuleSetError([RuleFileError(f"the rule set compiles to {len(compiled)} durable rules; durable-rules "
+                                          f"holds {capacity.RULE_SLOTS}", file=ruleset.files[0] if ruleset.files else "",
+                                          hint="merge rules with equal conditions, or split the rule set")])
+    result = CompiledRules(ruleset, compiled, chunks)
+    widest = max(result.reads.items(), key=lambda item: len(item[1]))
+    if len(widest[1]) + 3 > capacity.FACT_PROPERTIES:  # + sid, t, s
+        raise RuleSetError([RuleFileError(f"the {widest[0][0]} fact of shard {widest[0][1]} would carry "
+                                          f"{len(widest[1]) + 3} properties; durable-rules holds "
+                                          f"{capacity.FACT_PROPERTIES}", file=ruleset.files[0] if ruleset.files else "")])
+    return result
+
+
+def _add(conditions: dict, tag: str, condition: Union[Expr, bool], firing: Firing) -> None:
+    body = () if condition is True else _conjuncts(_to_json(condition))
+    entries = conditions.setdefault(tag, [])
+    for existing, firings in entries:
+        if existing == body:
+            firings.append(firing)
+            return
+    entries.append((body, [firing]))
 
 
 # -- per kind -------------------------------------------------------------------------------
-def _constraint(rule: Rule, ruleset: RuleSet) -> list[CompiledRule]:
+def _violations(rule: Rule, ruleset: RuleSet) -> Iterable[tuple[str, Union[Expr, bool]]]:
+    """(component, condition under which the constraint rejects it), for each component it can reject."""
     item = rule.item
     targets = list(ruleset.backends) if item.applies_to == "all_backends" else item.applies_to
-    violated = And(tuple(e for e in (rule.when, Not(rule.require)) if e is not None))
-    compiled = []
+    violated = normalize(And(tuple(e for e in (rule.when, Not(rule.require)) if e is not None)))
     for target in targets:
         declared = ruleset.backends.get(target)
-        condition = _fold(normalize(violated), declared.item if declared else None)
-        if condition is False:
-            continue  # this backend satisfies the rule by declaration
-        name = f"{item.id}@{target}"
-        compiled.append(CompiledRule(name, item.id, "reject", target,
-                                     (Pattern("c", _tagged(CFG, condition)),), rule.source))
+        condition = _fold(violated, declared.item if declared else None)
+        if condition is not False:  # False: this backend satisfies the rule by declaration
+            yield target, condition
+
+
+def _when(rule: Rule) -> Union[Expr, bool]:
+    return True if rule.when is None else normalize(rule.when)
+
+
+def _plan_condition(rule: Rule) -> Union[Expr, bool]:
+    """The `when` plus the backends/dispatchers the plan rule is restricted to."""
+    parts = [] if rule.when is None else [normalize(rule.when)]
+    for path, names in (("plan.backend", rule.item.backends), ("plan.dispatcher", rule.item.dispatchers)):
+        if names:
+            parts.append(_Names(path, tuple(names)))
+    return And(tuple(parts)) if parts else True
+
+
+@dataclass(frozen=True)
+class _Names:
+    """A test that a plan field names one of the given components."""
+
+    path: str
+    names: tuple[str, ...]
+
+
+def _eligibility(chunks: list[tuple[str, ...]]) -> list[CompiledRule]:
+    """`eligible@X` fires when the `rej` fact of X's chunk has no `b<i>` property (i: X's index)."""
+    return [CompiledRule("", REJECT, shard, _tagged(REJECT, shard, ({"$nex": {f"b{shard * CHUNK + index}": 1}},)),
+                         (Firing(f"eligible@{name}", "eligible", "eligible", name, None),))
+            for shard, names in enumerate(chunks) for index, name in enumerate(names)]
+
+
+def _shards(tag: str, entries: list) -> list[CompiledRule]:
+    """Pack the conditions of one fact type, in rule order, into shards within durable's limits."""
+    compiled, shard, spent = [], 0, None
+    for body, firings in entries:
+        price = capacity.cost(_tagged(tag, 0, body))
+        problems = price.excesses()
+        if problems:
+            raise RuleSetError([_too_big(firings[0], problems)])
+        if spent is not None and not (spent + price).fits_shard():
+            shard, spent = shard + 1, None
+        spent = price if spent is None else spent + price
+        compiled.append(CompiledRule("", tag, shard, _tagged(tag, shard, body), tuple(firings)))
     return compiled
 
 
-def _on_config(rule: Rule, kind: str) -> list[CompiledRule]:
-    condition = True if rule.when is None else normalize(rule.when)
-    return [CompiledRule(rule.id, rule.id, kind, None, (Pattern("c", _tagged(CFG, condition)),), rule.source)]
-
-
-def _eligible(target: str) -> CompiledRule:
-    phase = Pattern("p", {"$and": [{"t": PHASE}, {"n": "eligibility"}]})
-    no_reject = Pattern("r", {"$and": [{"t": REJECT}, {"b": target}]}, negated=True)
-    return CompiledRule(f"eligible@{target}", "eligible", "eligible", target, (phase, no_reject), None)
-
-
-def _plan(rule: Rule) -> list[CompiledRule]:
-    item = rule.item
-    config_part: list[Expr] = []
-    plan_part: list[Expr] = []
-    when = normalize(rule.when) if rule.when is not None else And(())
-    for conjunct in (when.items if isinstance(when, And) else (when,)):
-        facts = _facts_of(conjunct)
-        if facts == {"plan"}:
-            plan_part.append(conjunct)
-        elif facts == {"cfg"}:
-            config_part.append(conjunct)
-        else:
-            raise RuleSetError([RuleFileError("join plan.* tests to config tests with a top-level 'and'",
-                                              file=rule.source.file, line=rule.source.line, rule=item.id)])
-    for field, names in (("backend", item.backends), ("dispatcher", item.dispatchers)):
-        if names:
-            plan_part.append(In(FieldSpec(f"plan.{field}", "enum", fact="plan"), tuple(names), False))
-    stage = item.set.stage.value
-    plan_condition = _to_json(And(tuple(plan_part)), strip="plan.") if plan_part else None
-    patterns = [Pattern("p", {"$and": [{"t": PLAN}, {"stage": stage}] + ([plan_condition] if plan_condition else [])})]
-    if config_part:
-        patterns.append(Pattern("c", _tagged(CFG, And(tuple(config_part)))))
-    return [CompiledRule(item.id, item.id, "plan", None, tuple(patterns), rule.source)]
+def _too_big(firing: Firing, problems: list[str]) -> RuleFileError:
+    source = firing.source or SourceRef(file="(compiled)", line=0)
+    return RuleFileError(f"this condition cannot be compiled for durable-rules: {'; '.join(problems)}",
+                         file=source.file, line=source.line, rule=firing.rule_id,
+                         hint="split the rule into several rules, or shorten its 'in' lists")
 
 
 # -- expressions ------------------------------------------------------------------------------
@@ -168,28 +221,38 @@ def _compare(left, op: str, right) -> bool:
             ">": left > right, ">=": left >= right}[op]
 
 
-def _tagged(fact: str, condition: Union[Expr, bool]) -> dict:
-    if condition is True or (isinstance(condition, And) and not condition.items):
-        return {"t": fact}
-    return {"$and": [{"t": fact}, _to_json(condition)]}
+def _tagged(tag: str, shard: int, body: tuple) -> dict:
+    return {"$and": [{TAG: tag}, {SHARD: shard}, *body]}
 
 
-def _to_json(expr: Expr, strip: str = "") -> dict:
+def _conjuncts(condition: dict) -> tuple:
+    """The conjuncts of a condition, so they join the tag tests in one `$and` group."""
+    return tuple(condition["$and"]) if set(condition) == {"$and"} else (condition,)
+
+
+def _paths(condition: dict) -> set[str]:
+    paths = set()
+    for key, value in condition.items():
+        if key in ("$and", "$or"):
+            paths.update(*(_paths(item) for item in value))
+        elif key.startswith("$"):
+            paths.update(value)
+        else:
+            paths.add(key)
+    return paths
+
+
+def _to_json(expr) -> dict:
     if isinstance(expr, Cmp):
-        path = expr.field.path[len(strip):]
-        return {path: expr.value} if expr.op == "==" else {_OPS[expr.op]: {path: expr.value}}
-    if isinstance(expr, In):
-        path = expr.field.path[len(strip):]
-        tests = [{"$neq": {path: v}} if expr.negated else {path: v} for v in expr.values]
-        return tests[0] if len(tests) == 1 else {"$and" if expr.negated else "$or": tests}
-    items = [_to_json(item, strip) for item in expr.items]
-    if len(items) == 1:
-        return items[0]
-    return {"$and" if isinstance(expr, And) else "$or": items}
-
-
-def _facts_of(expr: Expr) -> set[str]:
-    if isinstance(expr, (Cmp, In)):
-        return {expr.field.fact}
-    return set().union(*(_facts_of(item) for item in expr.items))
-
+        return {expr.field.path: expr.value} if expr.op == "==" else {_OPS[expr.op]: {expr.field.path: expr.value}}
+    if isinstance(expr, (In, _Names)):
+        path, values = (expr.field.path, expr.values) if isinstance(expr, In) else (expr.path, expr.names)
+        negated = isinstance(expr, In) and expr.negated
+        tests = [{"$neq": {path: v}} if negated else {path: v} for v in values]
+        return tests[0] if len(tests) == 1 else {"$and" if negated else "$or": tests}
+    key = "$and" if isinstance(expr, And) else "$or"
+    items = []
+    for item in expr.items:  # nested groups of the same kind flatten: durable counts every group
+        part = _to_json(item)
+        items.extend(part[key] if set(part) == {key} else [part])
+    return items[0] if len(items) == 1 else {key: items}

@@ -18,7 +18,7 @@ from moerules.decision import (Decision, ExpertPlacement, Outcome, Padding, Quan
                                ReasonCode, SelectedBy)
 from moerules.errors import BackendRejectedError, EngineError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
-from moerules.engine.evaluate import Evaluation, PhaseRunner, effective_order, merged_plan, single
+from moerules.engine.evaluate import Evaluation, PhaseRunner, Rejections, effective_order, merged_plan, single
 from moerules.engine.expr import suggest
 from moerules.engine.loader import load_rules
 from moerules.engine.reference_runner import ReferenceRunner
@@ -37,6 +37,7 @@ class Engine:
         self.ruleset = ruleset
         self.compiled: CompiledRules = compile_rules(ruleset)
         self.runner = _make_runner(self.compiled, engine)
+        self.rejections = Rejections()
         self._cache: OrderedDict[MoEConfig, Decision] = OrderedDict()
         self._by_identity: dict[int, tuple[MoEConfig, Decision]] = {}
         self._lock = threading.Lock()
@@ -85,7 +86,7 @@ class Engine:
 
     def _evaluate(self, config: MoEConfig) -> Decision:
         with self.runner.session() as session:
-            phases = PhaseRunner(self.compiled, session, config)
+            phases = PhaseRunner(self.compiled, session, config, self.rejections)
             return Assembler(self, config, phases).run()
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 from moerules.config import MoEConfig
 from moerules.decision import Rejection
 from moerules.errors import EngineError
-from moerules.engine.compiler import CFG, PHASE, PLAN, CompiledRules
+from moerules.engine.compiler import CFG, REJECT, CompiledRules, Firing
 from moerules.engine.fields import flatten
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
 from moerules.engine.ruleset import Rule
@@ -25,26 +25,28 @@ class Evaluation:
 
 
 class PhaseRunner:
-    """Drives one session of a runner through the phases (see compiler.py)."""
+    """Drives one session of a runner through the facts of a decision (see compiler.py)."""
 
-    def __init__(self, compiled: CompiledRules, session, config: MoEConfig):
-        self.compiled, self.session, self.config = compiled, session, config
+    def __init__(self, compiled: CompiledRules, session, config: MoEConfig, rejections: Rejections):
+        self.compiled, self.session, self.config, self.rejections = compiled, session, config, rejections
         self.facts = config.facts()
         self.flat = flatten(self.facts)
         self.evaluation = Evaluation()
 
     def screen(self) -> Evaluation:
-        """Phases cfg and eligibility: rejections, eligible components, priority and dispatch rules."""
-        fired = self._run({"t": CFG, **self.facts})
-        fired += self._run({"t": PHASE, "n": "eligibility"})
+        """The config, then the rejected components: rejections, eligible components, priority and dispatch rules."""
+        firings = self._run(CFG, self.flat)
+        rejected = {firing.target for firing in firings if firing.kind == "reject"}
+        firings += self._run(REJECT, {f"b{i}": 1 for i, name in enumerate(self.compiled.components) if name in rejected})
         ruleset = self.compiled.ruleset
-        names = set(fired)
-        for name in fired:
-            rule = self.compiled.rules[name]
-            if rule.kind == "reject":
-                self.evaluation.rejections.append(self._rejection(rule.target, ruleset.rule(rule.rule_id)))
-            elif rule.kind == "eligible":
-                self.evaluation.eligible.add(rule.target)
+        names = set()
+        for firing in firings:
+            names.add(firing.rule_id)
+            if firing.kind == "reject":
+                self.evaluation.rejections.append(
+                    self.rejections.get(ruleset.rule(firing.rule_id), firing.target, self.flat))
+            elif firing.kind == "eligible":
+                self.evaluation.eligible.add(firing.target)
         # Keep rule-file order, never firing order: durable fires matches in no documented order.
         self.evaluation.priority_rules = [r for r in ruleset.priorities if r.id in names]
         self.evaluation.dispatch_rules = [r for r in ruleset.dispatch if r.id in names]
@@ -53,19 +55,51 @@ class PhaseRunner:
 
     def plan(self, stage: str, **known) -> list[Rule]:
         """A plan stage: the rules that fired for the chosen backend/dispatcher, in file order."""
-        names = set(self._run({"t": PLAN, "stage": stage, **known}))
+        names = {firing.rule_id for firing in self._run(stage, {**self.flat, **flatten(known, "plan.")})}
         return [r for r in self.compiled.ruleset.plan if r.id in names]
 
-    def _run(self, fact: dict) -> list[str]:
-        fired = self.session.run([fact])
-        self.evaluation.fired.extend(fired)
-        return fired
+    def _run(self, tag: str, values: dict) -> list[Firing]:
+        """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the firings, traced."""
+        compiled, firings = self.compiled, []
+        for (fact_tag, shard), reads in compiled.reads.items():
+            if fact_tag == tag:
+                body = {path: values[path] for path in reads if path in values}
+                firings += [firing for name in self.session.run(tag, shard, body)
+                            for firing in compiled.rules[name].firings]
+        self.evaluation.fired.extend(firing.name for firing in firings)
+        return firings
 
-    def _rejection(self, target: str, rule: Rule) -> Rejection:
-        values = {**self.flat, "backend": target}
+
+class Rejections:
+    """The rejection records of one rule set, built once per (rule, component, quoted values).
+
+    A decision records ~30 rejections and most recur from config to config with the same
+    message; formatting and constructing each was the largest cost of a cold decide.
+    """
+
+    _SIZE = 1 << 16  # records kept; past it the table starts over (bounded memory)
+
+    def __init__(self):
+        self._quotes: dict[str, tuple[str, ...]] = {}
+        self._built: dict[tuple, Rejection] = {}
+
+    def get(self, rule: Rule, target: str, flat: dict) -> Rejection:
+        quotes = self._quotes.get(rule.id)
+        if quotes is None:
+            quotes = self._quotes[rule.id] = tuple(MESSAGE_PLACEHOLDER.findall(rule.item.message))
+        key = (rule.id, target) + tuple(flat.get(name) for name in quotes)
+        built = self._built.get(key)
+        if built is None:
+            if len(self._built) >= self._SIZE:
+                self._built.clear()
+            built = self._built[key] = self._build(rule, target, flat)
+        return built
+
+    @staticmethod
+    def _build(rule: Rule, target: str, flat: dict) -> Rejection:
+        values = {**flat, "backend": target}
         detail = MESSAGE_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), rule.item.message)
-        # Every field comes from a validated rule file, so skip re-validation: a decision
-        # builds ~30 of these and validation was a fifth of a cold decide.
+        # Every field comes from a validated rule file, so skip re-validation.
         return Rejection.model_construct(backend=target, reason=rule.item.reason, detail=detail, rule=rule.id,
                                          source=rule.source)
 

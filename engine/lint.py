@@ -1,7 +1,7 @@
 """`moerules lint`: what a reviewer of a rule change would catch.
 
 - the load checks (schema, unknown fields/backends/operators, typed conditions);
-- durable-rules capacity guards (sibling tests per node, fact properties, rules, joins);
+- durable-rules' capacities (the compiler's checks: a rule too large for durable, too many rules);
 - kernels that are neither registered nor declared external;
 - backends and dispatchers no config of the decision matrix can select;
 - priority lists that omit a backend that is eligible on that platform;
@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
@@ -22,12 +22,8 @@ from moerules.engine.compiler import CompiledRules, compile_rules
 from moerules.decision import ReasonCode
 from moerules.engine.decide import Assembler, Engine
 from moerules.engine.evaluate import PhaseRunner, effective_order
-from moerules.engine.fields import flatten
 from moerules.engine.loader import load_rules
 from moerules.engine.ruleset import RuleSet
-
-SIBLING_LIMIT, PROPERTY_LIMIT, RULE_LIMIT, JOIN_LIMIT = 500, 255, 4096, 16
-
 
 @dataclass(frozen=True)
 class Finding:
@@ -65,45 +61,21 @@ def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None) -> LintRepor
     try:
         ruleset = load_rules(rules)
     except RuleSetError as error:
-        for e in error.errors:
-            report.add("error", "load", e.message + (f" ({e.hint})" if e.hint else ""),
-                       f"{e.file}:{e.line}:{e.col}" if e.line else e.file)
-        return report
-    compiled = compile_rules(ruleset)
-    _capacity(compiled, report)
+        return _errors(report, "load", error)
+    try:  # durable-rules' capacities, checked by the compiler before any engine exists
+        compiled = compile_rules(ruleset)
+    except RuleSetError as error:
+        return _errors(report, "capacity", error)
     _kernels(ruleset, report)
     _coverage(ruleset, compiled, report, configs if configs is not None else (c.config for c in matrix.cells(ruleset.backends)))
     return report
 
 
-def _capacity(compiled: CompiledRules, report: LintReport) -> None:
-    """durable hangs past 512 sibling tests under one node and rejects larger facts/joins."""
-    siblings: Counter = Counter()
-    for rule in compiled.rules.values():
-        for pattern in rule.patterns:
-            for path, value in _equalities(pattern.condition):
-                siblings[path, repr(value)] += 1
-    per_field = Counter(path for path, _ in siblings)
-    for path, count in per_field.items():
-        if count > SIBLING_LIMIT:
-            report.add("error", "capacity.siblings", f"{count} distinct equality tests on {path} (limit {SIBLING_LIMIT})")
-    if len(compiled.rules) > RULE_LIMIT:
-        report.add("error", "capacity.rules", f"{len(compiled.rules)} compiled rules (limit {RULE_LIMIT})")
-    for rule in compiled.rules.values():
-        if len(rule.patterns) > JOIN_LIMIT:
-            report.add("error", "capacity.join", f"{rule.name} joins {len(rule.patterns)} facts (limit {JOIN_LIMIT})")
-    properties = len(flatten(next(matrix.cells([])).config.facts()))
-    if properties > PROPERTY_LIMIT:
-        report.add("error", "capacity.properties", f"the config fact has {properties} properties (limit {PROPERTY_LIMIT})")
-
-
-def _equalities(condition: dict):
-    for key, value in condition.items():
-        if key in ("$and", "$or"):
-            for item in value:
-                yield from _equalities(item)
-        elif not key.startswith("$"):
-            yield key, value
+def _errors(report: LintReport, code: str, error: RuleSetError) -> LintReport:
+    for e in error.errors:
+        report.add("error", code, e.message + (f" ({e.hint})" if e.hint else ""),
+                   f"{e.file}:{e.line}:{e.col}" if e.line else e.file)
+    return report
 
 
 def _kernels(ruleset: RuleSet, report: LintReport) -> None:
@@ -129,7 +101,7 @@ def _coverage(ruleset: RuleSet, compiled: CompiledRules, report: LintReport, con
     for config in configs:
         report.configs_checked += 1
         with engine.runner.session() as session:
-            assembler = Assembler(engine, config, PhaseRunner(compiled, session, config))
+            assembler = Assembler(engine, config, PhaseRunner(compiled, session, config, engine.rejections))
             try:
                 decision = assembler.run()
             except EngineError as error:

@@ -11,6 +11,7 @@ from moerules.errors import BackendRejectedError
 from moerules.engine.compiler import compile_rules
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
+from moerules.engine.fields import flatten
 from moerules.engine.loader import load_rules
 from moerules.engine.reference_runner import compile_condition
 
@@ -31,14 +32,16 @@ def decide(config: MoEConfig, engine: Engine = DURABLE) -> Decision:
 
 @lru_cache(maxsize=None)
 def _reject_predicates(target: str):
-    return [(rule.rule_id, compile_condition(rule.patterns[0].condition))
-            for rule in COMPILED.rules.values() if rule.kind == "reject" and rule.target == target]
+    return [(firing.rule_id, rule.shard, compile_condition(rule.condition))
+            for rule in COMPILED.rules.values() for firing in rule.firings
+            if firing.kind == "reject" and firing.target == target]
 
 
 def violated_constraints(config: MoEConfig, target: str) -> list[str]:
     """Rule ids whose reject condition holds for `target`, evaluated directly on the compiled JSON."""
-    fact = {"t": "cfg", **config.facts()}
-    return [rule_id for rule_id, predicate in _reject_predicates(target) if predicate(fact)]
+    facts = flatten(config.facts())
+    return [rule_id for rule_id, shard, predicate in _reject_predicates(target)
+            if predicate({"t": "cfg", "s": shard, **facts})]
 
 
 def priority_order(decision: Decision) -> list[str]:

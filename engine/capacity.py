@@ -14,18 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # src/rules/events.c MAX_STACK_SIZE: alpha nodes waiting on one assert's depth-first walk.
-# Pushing the 65th returns 303 from assert_fact, and the wrapper then aborts the process.
+# Pushing the 65th fails assert_fact with error 303; deleting that sid, in which no action
+# ever ran, then crashes the process.
 STACK_SLOTS = 64
 # src/rules/rules.h NEXT_BUCKET_LENGTH: the open-addressing child table of one alpha node.
 # Its lookup loops have no exit when all 512 slots are taken, so 512 children hang.
 CHILD_SLOTS = 511
-# src/rules/rules.h NEXT_LIST_LENGTH: existence tests and `$or` joins hanging off one node.
+# src/rules/rules.h NEXT_LIST_LENGTH: existence tests and `$or` joins hanging off one node;
+# 128 segfaults at the first assert, 129 fails create_ruleset with error 107.
 ABSENCE_SLOTS = 127
 # src/rules/rete.h MAX_SEQUENCE_EXPRESSIONS: `$and`/`$or` markers one rule's beta node keeps
 # (two per group); the 32nd fails create_ruleset with error 113.
 EXPRESSION_SLOTS = 31
-# src/rules/state.h MAX_OBJECT_PROPERTIES: properties of one fact, nested ones flattened.
-FACT_PROPERTIES = 254
+# src/rules/state.h MAX_OBJECT_PROPERTIES (255): properties of one fact, nested ones
+# flattened, sid and t included; durable keeps two for itself, so 254 fails with error 302.
+FACT_PROPERTIES = 253
 # src/rules/rete.c MAX_ACTIONS: rules in one ruleset (error 106 beyond).
 RULE_SLOTS = 4096
 

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from moerules.config import MoEConfig
 from moerules.decision import (Decision, ExpertPlacement, Outcome, Padding, QuantizedBy, QuantPlacement,
                                ReasonCode, SelectedBy)
-from moerules.errors import BackendRejectedError, EngineError, UnknownBackendError
+from moerules.errors import BackendRejectedError, EngineError, RuleFileError, RuleSetError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
 from moerules.engine.evaluate import Evaluation, PhaseRunner, Rejections, effective_order, merged_plan, single
 from moerules.engine.expr import suggest
@@ -232,32 +232,78 @@ def _log_once(message: str) -> None:
 
 
 # -- module-level API -----------------------------------------------------------------------
-_engines: dict[tuple, Engine] = {}
-_engines_lock = threading.Lock()
+class _Lru:
+    """A small thread-safe LRU map. Engines and parsed rule sets are kept in bounded ones, so a
+    process that sees many rule-set versions (an editor, a hot-reloading server) holds only
+    the recent ones; an evicted durable engine frees its ruleset when it is collected."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key, value):
+        """Store `value` unless another thread stored one first; the stored one is returned."""
+        with self._lock:
+            value = self._items.setdefault(key, value)
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return value
+
+
+_engines = _Lru(8)
+_rulesets = _Lru(8)
+_SNAPSHOT_TRIES = 5
 
 
 def engine_for(rules: RulesArg = None, engine: str = "auto") -> Engine:
-    """The Engine of a rule set, built once per (content hash, evaluator)."""
+    """The Engine of a rule set, built once per (content hash, evaluator) and kept while recent."""
     ruleset = rules if isinstance(rules, RuleSet) else _load_cached(rules)
     key = (ruleset.hash, engine)
-    with _engines_lock:
-        if key not in _engines:
-            _engines[key] = Engine(ruleset, engine)
-        return _engines[key]
-
-
-_loaded: dict[tuple, RuleSet] = {}
+    return _engines.get(key) or _engines.put(key, Engine(ruleset, engine))
 
 
 def _load_cached(path) -> RuleSet:
-    """Reload a rules folder only when one of its files changed."""
+    """The rules of a folder as one snapshot, reloaded only when one of its files changed.
+
+    The folder is resolved once and read from its real path, so flipping a symlink between
+    two complete folders mid-read cannot mix them; a load is cached only if no file of that
+    folder changed while it was read (same stamp before and after), else it is read again.
+    """
     from moerules.resources import default_rules_dir
     root = Path(path) if path is not None else default_rules_dir()
-    files = sorted(root.glob("*.yaml")) if root.is_dir() else [root]
-    stamp = (str(root.resolve()), path is None) + tuple((f.name, f.stat().st_mtime_ns) for f in files if f.exists())
-    if stamp not in _loaded:
-        _loaded[stamp] = load_rules(path)
-    return _loaded[stamp]
+    for _ in range(_SNAPSHOT_TRIES):
+        stamp = _stamp(root)
+        cached = _rulesets.get(stamp)
+        if cached is not None:
+            return cached
+        ruleset = load_rules(stamp[0], display="rules" if path is None else str(path))
+        if _stamp(stamp[0]) == stamp:  # the folder that was read, even if a link moved on since
+            return _rulesets.put(stamp, ruleset)
+    raise RuleSetError([RuleFileError(f"the rules changed while they were read, {_SNAPSHOT_TRIES} times in a row; "
+                                      "retry once they are written", file=str(root))])
+
+
+def _stamp(root: Path) -> tuple:
+    """The resolved folder (or file) and each rule file's identity, size and modification time."""
+    real = root.resolve()
+    files = sorted(real.glob("*.yaml")) if real.is_dir() else [real]
+    identity = []
+    for file in files:
+        try:
+            status = file.stat()
+        except OSError:  # removed between listing and stat: the next stamp differs
+            continue
+        identity.append((file.name, status.st_ino, status.st_size, status.st_mtime_ns))
+    return (real, *identity)
 
 
 def decide(config: MoEConfig, rules: RulesArg = None, engine: str = "auto") -> Decision:

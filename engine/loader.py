@@ -24,8 +24,12 @@ from moerules.engine.rulefile import MESSAGE_PLACEHOLDER, Constraint, PlanRule, 
 from moerules.engine.ruleset import Declared, Rule, RuleSet
 from moerules.engine.yamlsource import YamlDocument
 
-def load_rules(path: Union[str, Path, None] = None) -> RuleSet:
-    """Load a folder of `*.yaml` rule files (or one file); None loads the shipped default rules."""
+def load_rules(path: Union[str, Path, None] = None, *, display: Optional[str] = None) -> RuleSet:
+    """Load a folder of `*.yaml` rule files (or one file); None loads the shipped default rules.
+
+    `display` is how messages name `path` when it was read under another name (a resolved
+    symlink); by default the shipped rules are `rules/` and any other path is named as given.
+    """
     root = Path(path) if path is not None else default_rules_dir()
     if root.is_dir():
         files = sorted(root.glob("*.yaml"))
@@ -35,8 +39,8 @@ def load_rules(path: Union[str, Path, None] = None) -> RuleSet:
         files = [root]
     else:
         raise RuleSetError([RuleFileError("no such rules file or folder", file=str(root))])
-    display_root = root if root.is_dir() else root.parent
-    prefix = "rules/" if path is None else f"{display_root}/"
+    shown = Path(display) if display is not None else Path("rules") if path is None else root
+    prefix = f"{shown if root.is_dir() else shown.parent}/"
     return _Loader([(f, prefix + f.name) for f in files]).load()
 
 

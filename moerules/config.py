@@ -8,7 +8,7 @@ per-partition intermediate size, whether all2all is in use) is computed once, he
 from __future__ import annotations
 
 from enum import Enum
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, field_validator, model_validator
 
 from moerules.activation import Activation, Dtype
 from moerules.quant import QuantConfig
@@ -181,6 +181,11 @@ class Platform(_Record):
     packages: frozenset[Package] = Field(frozenset({Package.triton}),
                                          description="Kernel packages importable on the platform.")
     torch_grouped_mm: bool = Field(True, description="torch provides _grouped_mm/_scaled_grouped_mm (torch>=2.8).")
+
+    @field_serializer("packages", when_used="json")
+    def _sorted_packages(self, packages: frozenset[Package]) -> list[str]:
+        """Sorted: a set iterates in hash-seed order, and the JSON record must be byte-stable."""
+        return sorted(package.value for package in packages)
 
     @field_validator("arch")
     @classmethod

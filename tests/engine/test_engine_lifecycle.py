@@ -1,0 +1,109 @@
+"""Engines over time: byte-stable records, bounded caches that free durable's memory, rule
+folders read as one snapshot (hot swap), and decisions pinned to a RuleSet object."""
+
+import gc
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from moerules import MoEConfig
+from moerules.engine import decide as decide_module
+from moerules.engine.decide import decide, engine_for
+from moerules.engine.loader import load_rules
+from moerules.presets import preset
+
+RULES = Path(__file__).parents[2] / "rules"
+CONFIG = MoEConfig(**{**preset("gpt-oss-120b"), "platform": {"vendor": "cuda", "arch": "sm_90",
+                      "packages": ["triton", "flashinfer", "marlin", "deep_gemm", "aiter", "flashinfer"]}})
+
+
+@pytest.mark.parametrize("engine", ["durable", "reference"])
+def test_the_json_record_is_byte_identical_across_hash_seeds(engine):
+    if engine == "durable":
+        pytest.importorskip("durable_rules_engine")
+    command = [sys.executable, "-m", "moerules.engine.cli", "decide", "--model", "gpt-oss-120b", "--platform",
+               "cuda:sm_90", "--packages", "triton,flashinfer,marlin,deep_gemm,aiter", "--json", "--engine", engine]
+    digests = set()
+    for seed in range(5):
+        out = subprocess.run(command, capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+        digests.add(hashlib.sha256(out.encode()).hexdigest())
+    assert len(digests) == 1
+
+
+def _variant(tmp_path: Path, name: str, cuda_order: str) -> Path:
+    """A complete rules folder whose CUDA priority list starts with the given backends (and whose
+    first file says so too: versions differ in two files, so reading a mix of them shows)."""
+    folder = tmp_path / name
+    shutil.copytree(RULES, folder)
+    components = folder / "10-components.yaml"
+    components.write_text(components.read_text().replace("description: Experts backends", f"description: ({name}) Experts backends", 1))
+    priority = folder / "50-priority.yaml"
+    text = priority.read_text()
+    start = text.index("order: [flashinfer_trtllm")
+    end = text.index("]", start)
+    priority.write_text(text[:start] + f"order: [{cuda_order}" + text[end:])
+    return folder
+
+
+def test_flipping_a_rules_symlink_never_mixes_versions(tmp_path):
+    first = _variant(tmp_path, "a", "triton, marlin")
+    second = _variant(tmp_path, "b", "marlin, triton")
+    expected = {load_rules(folder).hash: decide(CONFIG, rules=folder).backend for folder in (first, second)}
+    assert len(set(expected.values())) == 2
+    link = tmp_path / "current"
+    link.symlink_to(first)
+    stop, flips = threading.Event(), [0]  # odd while a flip is under way
+
+    def flip() -> None:
+        while not stop.is_set():
+            swap = tmp_path / "swap"
+            swap.symlink_to(second if flips[0] % 4 == 0 else first)
+            flips[0] += 1
+            os.replace(swap, link)  # atomic, like a deployment's `ln -sfn`
+            flips[0] += 1
+            time.sleep(0.001)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for _ in range(40):
+            decide_module._rulesets = decide_module._Lru(8)  # every call reads the folder while it flips
+            before = flips[0]
+            decision = decide(CONFIG, rules=link)
+            assert expected[decision.rules_hash] == decision.backend  # one version, never a mix
+            if flips[0] == before and before % 2 == 0:  # the link held still: the decision is from its target
+                assert decision.backend == expected[load_rules(second if before % 4 == 2 else first).hash]
+    finally:
+        stop.set()
+        flipper.join()
+
+
+def test_a_rule_set_object_pins_its_version(tmp_path):
+    folder = _variant(tmp_path, "a", "marlin, triton")
+    pinned = load_rules(folder)
+    before = decide(CONFIG, rules=pinned)
+    (folder / "50-priority.yaml").write_text((RULES / "50-priority.yaml").read_text())
+    assert decide(CONFIG, rules=pinned) == before
+    assert decide(CONFIG, rules=folder).rules_hash != pinned.hash
+
+
+def test_engine_and_rule_set_caches_are_bounded_and_free_durable_rulesets(tmp_path):
+    pytest.importorskip("durable_rules_engine")
+    runners = []
+    for version in range(3 * decide_module._engines.size):
+        folder = _variant(tmp_path, f"v{version}", ", ".join(["triton"] * (version + 1)))
+        runners.append(weakref.ref(engine_for(folder, "durable").runner))
+    gc.collect()
+    assert len(decide_module._engines._items) == decide_module._engines.size
+    assert len(decide_module._rulesets._items) <= decide_module._rulesets.size
+    alive = [ref() is not None for ref in runners]
+    assert alive == [False] * (len(runners) - decide_module._engines.size) + [True] * decide_module._engines.size

@@ -1,7 +1,10 @@
 """Decision speed: cold decide (new config), cached decide, and rules load+compile,
 for durable-rules and the reference evaluator on the same configs.
 
-    python bench/decide.py [--configs 400] [--rounds 5]
+    python bench/decide.py [--configs 400] [--rounds 5] [--grow 4]
+
+`--grow N` benchmarks a synthetic rule set N times the shipped one (bench/grown_rules.py),
+standing in for the default rule set after its growth to every vLLM backend.
 
 Goals on a 2-core CPU: cached <= 5 us, cold <= 300 us with durable-rules, load+compile <= 1 s.
 Medians over interleaved rounds, so both engines see the same machine noise.
@@ -12,12 +15,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from moerules.config import MoEConfig
 from moerules.engine.compiler import compile_rules
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
+
+from grown_rules import grow
 
 PLATFORMS = [{"vendor": "cuda", "arch": "sm_90", "packages": ["triton", "flashinfer", "marlin"]},
              {"vendor": "cuda", "arch": "sm_100", "packages": ["triton", "flashinfer", "deep_gemm"]},
@@ -47,22 +54,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--grow", type=int, default=1, help="benchmark a synthetic rule set N times the shipped one")
     args = parser.parse_args()
+    folder = grow(Path(tempfile.mkdtemp(prefix="moerules-grown-")), args.grow) if args.grow > 1 else None
     results: dict[str, dict[str, list[float]]] = {e: {"cold": [], "cached": [], "equal": [], "load": []}
                                                   for e in ("durable", "reference")}
     for round_ in range(args.rounds):
         for name in results:
             start = time.perf_counter()
-            ruleset = load_rules()
+            ruleset = load_rules(folder)
             engine = Engine(ruleset, name)  # compiles, and registers with durable
             results[name]["load"].append((time.perf_counter() - start) * 1e6)
             batch = configs(args.configs, offset=round_ * args.configs)
-            results[name]["cold"].append(per_call_us(engine.decide, batch))
-            results[name]["cached"].append(per_call_us(engine.decide, batch))
+            results[name]["cold"].append(per_call_us(lambda c: engine.decide(c, quiet=True), batch))
+            results[name]["cached"].append(per_call_us(lambda c: engine.decide(c, quiet=True), batch))
             equal_copies = [MoEConfig.model_validate(c.model_dump()) for c in batch]  # equal, not identical
-            results[name]["equal"].append(per_call_us(engine.decide, equal_copies))
+            results[name]["equal"].append(per_call_us(lambda c: engine.decide(c, quiet=True), equal_copies))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-    compile_us = statistics.median(per_call_us(lambda r: compile_rules(r), [load_rules()] * 20) for _ in range(3))
+    compile_us = statistics.median(per_call_us(lambda r: compile_rules(r), [load_rules(folder)] * 20) for _ in range(3))
     print(f"{'metric':<28}{'durable':>14}{'reference':>14}   goal")
     goals = {"cold": "<= 300 us (durable)", "cached": "<= 5 us", "equal": "<= 5 us", "load": "<= 1 s"}
     for metric, label in (("cold", "cold decide (us)"), ("cached", "cached, same object (us)"),
@@ -70,8 +79,8 @@ def main() -> int:
         row = [statistics.median(results[e][metric]) for e in ("durable", "reference")]
         print(f"{label:<28}{row[0]:>14.1f}{row[1]:>14.1f}   {goals[metric]}")
     print(f"{'compile alone (us)':<28}{compile_us:>14.1f}{'':>14}")
-    rules = load_rules()
-    print(f"rule set: {len(rules.rules())} rules, {len(compile_rules(rules).rules)} compiled, "
+    rules = load_rules(folder)
+    print(f"rule set{f' grown {args.grow}x' if folder else ''}: {len(rules.rules())} rules, {len(compile_rules(rules).rules)} compiled, "
           f"{len(rules.backends)} backends, hash {rules.hash[:12]}; {args.configs} configs x {args.rounds} rounds")
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Optional, Union
 
 from moerules.decision import SourceRef
@@ -67,6 +68,23 @@ class CompiledRule:
     condition: dict             # durable JSON, tag and shard tests included
     firings: tuple[Firing, ...]
 
+    # What a firing of this rule contributes, computed once: a decision reads them for ~100 rules.
+    @cached_property
+    def trace(self) -> tuple[str, ...]:
+        return tuple(firing.name for firing in self.firings)
+
+    @cached_property
+    def rule_ids(self) -> frozenset[str]:
+        return frozenset(firing.rule_id for firing in self.firings)
+
+    @cached_property
+    def rejects(self) -> tuple[Firing, ...]:
+        return tuple(firing for firing in self.firings if firing.kind == "reject")
+
+    @cached_property
+    def eligible(self) -> tuple[str, ...]:
+        return tuple(firing.target for firing in self.firings if firing.kind == "eligible")
+
 
 class CompiledRules:
     """A compiled rule set: durable rules by name, and the shards of each fact type."""
@@ -75,13 +93,14 @@ class CompiledRules:
         self.ruleset = ruleset
         self.hash = ruleset.hash
         self.rules = {rule.name: rule for rule in rules}
-        self.components = [name for chunk in chunks for name in chunk]  # `b<i>` of the `rej` facts
-        # The fields each shard's rules read: a fact carries only those, since durable's cost
-        # of an assert grows with the properties of the fact.
-        reads: dict[tuple[str, int], set[str]] = {}
+        # The `rej` fact flags a rejected component X as `b<i>` (i: X's index; ids may contain dots).
+        self.flags = {name: f"b{index}" for index, name in enumerate(n for chunk in chunks for n in chunk)}
+        # Per fact type, the fields each shard's rules read: a fact carries only those, since
+        # durable's cost of an assert grows with the properties of the fact.
+        reads: dict[str, dict[int, set[str]]] = {}
         for rule in rules:
-            reads.setdefault((rule.tag, rule.shard), set()).update(_paths(rule.condition) - {TAG, SHARD})
-        self.reads = {key: tuple(sorted(paths)) for key, paths in reads.items()}
+            reads.setdefault(rule.tag, {}).setdefault(rule.shard, set()).update(_paths(rule.condition) - {TAG, SHARD})
+        self.reads = {tag: [tuple(sorted(shards[s])) for s in range(len(shards))] for tag, shards in reads.items()}
 
     def firings(self) -> Iterable[Firing]:
         for rule in self.rules.values():
@@ -114,10 +133,9 @@ def compile_rules(ruleset: RuleSet) -> CompiledRules:
                                           f"holds {capacity.RULE_SLOTS}", file=ruleset.files[0] if ruleset.files else "",
                                           hint="merge rules with equal conditions, or split the rule set")])
     result = CompiledRules(ruleset, compiled, chunks)
-    widest = max(result.reads.items(), key=lambda item: len(item[1]))
-    if len(widest[1]) + 3 > capacity.FACT_PROPERTIES:  # + sid, t, s
-        raise RuleSetError([RuleFileError(f"the {widest[0][0]} fact of shard {widest[0][1]} would carry "
-                                          f"{len(widest[1]) + 3} properties; durable-rules holds "
+    widest = max(len(paths) for shards in result.reads.values() for paths in shards)
+    if widest + 3 > capacity.FACT_PROPERTIES:  # + sid, t, s
+        raise RuleSetError([RuleFileError(f"a fact would carry {widest + 3} properties; durable-rules holds "
                                           f"{capacity.FACT_PROPERTIES}", file=ruleset.files[0] if ruleset.files else "")])
     return result
 

@@ -37,7 +37,7 @@ class Engine:
         self.ruleset = ruleset
         self.compiled: CompiledRules = compile_rules(ruleset)
         self.runner = _make_runner(self.compiled, engine)
-        self.rejections = Rejections()
+        self.rejections = Rejections(ruleset)
         self._cache: OrderedDict[MoEConfig, Decision] = OrderedDict()
         self._by_identity: dict[int, tuple[MoEConfig, Decision]] = {}
         self._lock = threading.Lock()

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Optional
+from operator import attrgetter
+from typing import Mapping, Optional
 
 from moerules.config import MoEConfig
 from moerules.decision import Rejection
 from moerules.errors import EngineError
-from moerules.engine.compiler import CFG, REJECT, CompiledRules, Firing
-from moerules.engine.fields import flatten
+from moerules.engine.compiler import CFG, REJECT, CompiledRule, CompiledRules, Firing
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
-from moerules.engine.ruleset import Rule
+from moerules.engine.ruleset import Rule, RuleSet
 
 @dataclass
 class Evaluation:
@@ -27,81 +28,88 @@ class Evaluation:
 class PhaseRunner:
     """Drives one session of a runner through the facts of a decision (see compiler.py)."""
 
-    def __init__(self, compiled: CompiledRules, session, config: MoEConfig, rejections: Rejections):
+    def __init__(self, compiled: CompiledRules, session, config: MoEConfig, rejections: "Rejections"):
         self.compiled, self.session, self.config, self.rejections = compiled, session, config, rejections
-        self.facts = config.facts()
-        self.flat = flatten(self.facts)
+        self.flat = config.facts()
         self.evaluation = Evaluation()
 
     def screen(self) -> Evaluation:
         """The config, then the rejected components: rejections, eligible components, priority and dispatch rules."""
-        firings = self._run(CFG, self.flat)
-        rejected = {firing.target for firing in firings if firing.kind == "reject"}
-        firings += self._run(REJECT, {f"b{i}": 1 for i, name in enumerate(self.compiled.components) if name in rejected})
-        ruleset = self.compiled.ruleset
-        names = set()
-        for firing in firings:
-            names.add(firing.rule_id)
-            if firing.kind == "reject":
-                self.evaluation.rejections.append(
-                    self.rejections.get(ruleset.rule(firing.rule_id), firing.target, self.flat))
-            elif firing.kind == "eligible":
-                self.evaluation.eligible.add(firing.target)
+        compiled, evaluation = self.compiled, self.evaluation
+        fired = self._run(CFG, self.flat)
+        rejected = {firing.target for rule in fired for firing in rule.rejects}
+        fired += self._run(REJECT, {compiled.flags[name]: 1 for name in rejected})
+        ids: set[str] = set()
+        for rule in fired:
+            ids |= rule.rule_ids
+            evaluation.rejections += self.rejections.of(rule, self.flat)
+            evaluation.eligible.update(rule.eligible)
         # Keep rule-file order, never firing order: durable fires matches in no documented order.
-        self.evaluation.priority_rules = [r for r in ruleset.priorities if r.id in names]
-        self.evaluation.dispatch_rules = [r for r in ruleset.dispatch if r.id in names]
-        self.evaluation.rejections.sort(key=lambda r: (r.backend, r.rule))
-        return self.evaluation
+        evaluation.priority_rules = [r for r in compiled.ruleset.priorities if r.id in ids]
+        evaluation.dispatch_rules = [r for r in compiled.ruleset.dispatch if r.id in ids]
+        evaluation.rejections.sort(key=_REJECTION_ORDER)
+        return evaluation
 
     def plan(self, stage: str, **known) -> list[Rule]:
         """A plan stage: the rules that fired for the chosen backend/dispatcher, in file order."""
-        names = {firing.rule_id for firing in self._run(stage, {**self.flat, **flatten(known, "plan.")})}
-        return [r for r in self.compiled.ruleset.plan if r.id in names]
+        fired = self._run(stage, ChainMap({f"plan.{name}": value for name, value in known.items()}, self.flat))
+        ids = set().union(*(rule.rule_ids for rule in fired))
+        return [r for r in self.compiled.ruleset.plan if r.id in ids]
 
-    def _run(self, tag: str, values: dict) -> list[Firing]:
-        """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the firings, traced."""
-        compiled, firings = self.compiled, []
-        for (fact_tag, shard), reads in compiled.reads.items():
-            if fact_tag == tag:
-                body = {path: values[path] for path in reads if path in values}
-                firings += [firing for name in self.session.run(tag, shard, body)
-                            for firing in compiled.rules[name].firings]
-        self.evaluation.fired.extend(firing.name for firing in firings)
-        return firings
+    def _run(self, tag: str, values: Mapping) -> list[CompiledRule]:
+        """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the rules it fired."""
+        compiled, fired = self.compiled, []
+        for shard, reads in enumerate(compiled.reads.get(tag, ())):
+            body = {path: values[path] for path in reads if path in values}
+            fired += [compiled.rules[name] for name in self.session.run(tag, shard, body)]
+        for rule in fired:
+            self.evaluation.fired += rule.trace
+        return fired
+
+
+_REJECTION_ORDER = attrgetter("backend", "rule")
 
 
 class Rejections:
-    """The rejection records of one rule set, built once per (rule, component, quoted values).
+    """The rejection records of one rule set, built once per (compiled rule, quoted config values).
 
-    A decision records ~30 rejections and most recur from config to config with the same
-    message; formatting and constructing each was the largest cost of a cold decide.
+    A decision records ~30 rejections at today's rule set and well over 100 at several times
+    its size; most recur from config to config with the same messages, and formatting and
+    constructing each record was the largest cost of a cold decide.
     """
 
-    _SIZE = 1 << 16  # records kept; past it the table starts over (bounded memory)
+    _SIZE = 1 << 14  # entries kept; past it the table starts over (bounded memory)
 
-    def __init__(self):
+    def __init__(self, ruleset: RuleSet):
+        self.ruleset = ruleset
         self._quotes: dict[str, tuple[str, ...]] = {}
-        self._built: dict[tuple, Rejection] = {}
+        self._built: dict[tuple, tuple[Rejection, ...]] = {}
 
-    def get(self, rule: Rule, target: str, flat: dict) -> Rejection:
-        quotes = self._quotes.get(rule.id)
+    def of(self, rule: CompiledRule, flat: dict) -> tuple[Rejection, ...]:
+        if not rule.rejects:
+            return ()
+        quotes = self._quotes.get(rule.name)
         if quotes is None:
-            quotes = self._quotes[rule.id] = tuple(MESSAGE_PLACEHOLDER.findall(rule.item.message))
-        key = (rule.id, target) + tuple(flat.get(name) for name in quotes)
+            quotes = self._quotes[rule.name] = tuple(sorted({name for firing in rule.rejects for name in
+                                                             MESSAGE_PLACEHOLDER.findall(self._message(firing))}))
+        key = (rule.name, *(flat.get(name) for name in quotes))
         built = self._built.get(key)
         if built is None:
             if len(self._built) >= self._SIZE:
                 self._built.clear()
-            built = self._built[key] = self._build(rule, target, flat)
+            built = self._built[key] = tuple(self._build(firing, flat) for firing in rule.rejects)
         return built
 
-    @staticmethod
-    def _build(rule: Rule, target: str, flat: dict) -> Rejection:
-        values = {**flat, "backend": target}
-        detail = MESSAGE_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), rule.item.message)
+    def _message(self, firing: Firing) -> str:
+        return self.ruleset.rule(firing.rule_id).item.message
+
+    def _build(self, firing: Firing, flat: dict) -> Rejection:
+        values = {**flat, "backend": firing.target}
+        item = self.ruleset.rule(firing.rule_id).item
+        detail = MESSAGE_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), item.message)
         # Every field comes from a validated rule file, so skip re-validation.
-        return Rejection.model_construct(backend=target, reason=rule.item.reason, detail=detail, rule=rule.id,
-                                         source=rule.source)
+        return Rejection.model_construct(backend=firing.target, reason=item.reason, detail=detail, rule=item.id,
+                                         source=firing.source)
 
 
 def effective_order(rules: list[Rule]) -> tuple[list[str], Optional[Rule]]:

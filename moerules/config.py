@@ -183,9 +183,9 @@ class Platform(_Record):
     torch_grouped_mm: bool = Field(True, description="torch provides _grouped_mm/_scaled_grouped_mm (torch>=2.8).")
 
     @field_serializer("packages", when_used="json")
-    def _sorted_packages(self, packages: frozenset[Package]) -> list[str]:
+    def _sorted_packages(self, packages: frozenset[Package]) -> list[Package]:
         """Sorted: a set iterates in hash-seed order, and the JSON record must be byte-stable."""
-        return sorted(package.value for package in packages)
+        return sorted(packages, key=lambda package: package.value)
 
     @field_validator("arch")
     @classmethod
@@ -275,16 +275,21 @@ class MoEConfig(_Record):
         return self.model.num_experts % self.parallel.ep_size
 
     def facts(self) -> dict:
-        """The config as the plain, fully-populated fact the rule engines match against."""
-        data = self.model_dump(mode="json")
-        weight, act = self.quant.weight_key, self.quant.activation_key
-        data["quant"] = {
-            "family": self.quant.family.value,
-            "weight": _key_fact(weight),
-            "activation": _key_fact(act),
-        }
-        data["platform"]["packages"] = {p.value: p in self.platform.packages for p in Package}
-        return data
+        """The config as the fully-populated fact the rule engines match against, flat: dotted
+        names such as `platform.arch` (durable-rules flattens nested objects the same way)."""
+        flat = {}
+        for section, data in self.model_dump(mode="json", exclude={"quant"}).items():
+            if isinstance(data, dict):
+                flat.update((f"{section}.{name}", value) for name, value in data.items())
+            else:
+                flat[section] = data
+        packages = self.platform.packages
+        flat.update((f"platform.packages.{p.value}", p in packages) for p in Package)
+        del flat["platform.packages"]
+        flat["quant.family"] = self.quant.family.value
+        for operand, key in (("weight", self.quant.weight_key), ("activation", self.quant.activation_key)):
+            flat.update((f"quant.{operand}.{name}", value) for name, value in _key_fact(key).items())
+        return flat
 
 
 def _key_fact(key) -> dict:

@@ -11,7 +11,6 @@ from moerules.errors import BackendRejectedError
 from moerules.engine.compiler import compile_rules
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
-from moerules.engine.fields import flatten
 from moerules.engine.loader import load_rules
 from moerules.engine.reference_runner import compile_condition
 
@@ -39,7 +38,7 @@ def _reject_predicates(target: str):
 
 def violated_constraints(config: MoEConfig, target: str) -> list[str]:
     """Rule ids whose reject condition holds for `target`, evaluated directly on the compiled JSON."""
-    facts = flatten(config.facts())
+    facts = config.facts()
     return [rule_id for rule_id, shard, predicate in _reject_predicates(target)
             if predicate({"t": "cfg", "s": shard, **facts})]
 

@@ -141,6 +141,7 @@ def cmd_lint(args) -> int:
     if not args.json and report.lines():  # static findings first: coverage takes a while
         print("\n".join(report.lines()), flush=True)
     if ruleset is not None and not args.static:
+        lint.kernel_checks(ruleset, report)
         configs = [c.config for c in _matrix_cells(ruleset)]
         with _progress(args, len(configs), "lint coverage") as bar:
             lint.coverage(ruleset, report, configs, **_pool_options(args, bar))
@@ -334,7 +335,7 @@ def make_parser() -> argparse.ArgumentParser:
                                            "coverage over every matrix cell", epilog=_CACHE_HELP)
     _rules_option(lint)
     lint.add_argument("--json", action="store_true")
-    lint.add_argument("--static", action="store_true", help="static checks only (no coverage)")
+    lint.add_argument("--static", action="store_true", help="load and capacity checks only (no kernel registry, no coverage)")
     _bulk_arguments(lint)
     lint.set_defaults(func=cmd_lint)
     schema = commands.add_parser("schema", help="write the JSON Schema files", description="write the JSON Schema files")

@@ -39,24 +39,18 @@ def default_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moerules" / "decisions"
 
 
-def _canonical(value):
-    """JSON-ready data whose text does not depend on set iteration order (the hash seed)."""
-    if isinstance(value, BaseModel):
-        return _canonical(value.model_dump())
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
+def _sorted_sets(value):
+    """json.dumps hook: a set's text must not follow its iteration order (the hash seed)."""
     if isinstance(value, (set, frozenset)):
-        return sorted((_canonical(v) for v in value), key=json.dumps)
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
+        return sorted(value)
     if isinstance(value, enum.Enum):
         return value.value
-    return value
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def config_key(config: BaseModel) -> str:
     """The config's canonical JSON: equal configs, equal text, in any process."""
-    return json.dumps(_canonical(config), sort_keys=True, separators=(",", ":"))
+    return json.dumps(config.model_dump(), sort_keys=True, separators=(",", ":"), default=_sorted_sets)
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,9 +120,7 @@ class DecisionCache:
         return self._db
 
     def _discard(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        self.close()
         _remove(self.path)
 
     def close(self) -> None:

@@ -70,13 +70,14 @@ def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None, **pool_optio
     `pool_options` (cache_root, workers, progress) go to `pool.evaluate_all`."""
     report, ruleset = static_checks(rules)
     if ruleset is not None:
+        kernel_checks(ruleset, report)
         coverage(ruleset, report, configs, **pool_options)
     return report
 
 
 def static_checks(rules=None) -> tuple[LintReport, Optional[RuleSet]]:
-    """Everything that needs no decision (about a second): load, capacity, kernels. The rule set is
-    None when it does not load; coverage must not run then."""
+    """The load and capacity checks: no decision and no torch import, so well under a second.
+    The rule set is None when it does not load; nothing else can run then."""
     report = LintReport()
     try:
         ruleset = load_rules(rules)
@@ -87,7 +88,6 @@ def static_checks(rules=None) -> tuple[LintReport, Optional[RuleSet]]:
         return report, None
     compiled = compile_rules(ruleset)
     _capacity(compiled, report)
-    _kernels(ruleset, report)
     return report, ruleset
 
 
@@ -121,7 +121,8 @@ def _equalities(condition: dict):
             yield key, value
 
 
-def _kernels(ruleset: RuleSet, report: LintReport) -> None:
+def kernel_checks(ruleset: RuleSet, report: LintReport) -> None:
+    """Kernel ids the registry does not know (imports the registry, hence torch: about a second)."""
     try:
         from moerules.kernels.registry import EXPERTS, PREPARE_FINALIZE
     except ImportError as error:

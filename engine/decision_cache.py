@@ -72,9 +72,9 @@ class DecisionCache:
         self._db: Optional[sqlite3.Connection] = None
 
     def get_many(self, keys: Iterable[str]) -> dict[str, dict]:
-        keys = list(keys)
-        found = self._guarded(self._read, [self._digest(k) for k in keys]) or {}
-        return {k: found[self._digest(k)] for k in keys if self._digest(k) in found}
+        digests = {k: self._digest(k) for k in keys}
+        found = self._guarded(self._read, list(digests.values())) or {}
+        return {k: found[d] for k, d in digests.items() if d in found}
 
     def put_many(self, values: dict[str, dict]) -> None:
         self._guarded(self._write, [(self._digest(k), json.dumps(v, sort_keys=True)) for k, v in values.items()])
@@ -100,15 +100,23 @@ class DecisionCache:
             return None
         try:
             return operation(argument)
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error):
+                return self._rebuilt(operation, argument, error)
+            log.warning("moerules: decision cache %s stayed locked; going on without it (%s)", self.path, error)
         except (sqlite3.DatabaseError, ValueError, OSError) as error:
-            log.warning("moerules: decision cache %s is unusable (%s); rebuilding it", self.path, error)
+            return self._rebuilt(operation, argument, error)
+        return None
+
+    def _rebuilt(self, operation, argument, error: Exception):
+        log.warning("moerules: decision cache %s is unusable (%s); rebuilding it", self.path, error)
+        try:
             self._discard()
-            try:
-                return operation(argument)
-            except (sqlite3.DatabaseError, ValueError, OSError) as again:
-                log.warning("moerules: decision cache disabled for this run (%s)", again)
-                self.path = None
-                return None
+            return operation(argument)
+        except (sqlite3.DatabaseError, ValueError, OSError) as again:
+            log.warning("moerules: decision cache disabled for this run (%s)", again)
+            self.path = None
+            return None
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:

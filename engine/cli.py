@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -134,9 +135,20 @@ def cmd_explain(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    from moerules.engine.lint import lint
-    report = lint(args.rules)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+    from moerules.engine import lint
+    report, ruleset = lint.static_checks(args.rules)
+    static = len(report.findings)
+    if not args.json and report.lines():  # static findings first: coverage takes a while
+        print("\n".join(report.lines()), flush=True)
+    if ruleset is not None and not args.static:
+        lint.kernel_checks(ruleset, report)
+        configs = [c.config for c in _matrix_cells(ruleset)]
+        with _progress(args, len(configs), "lint coverage") as bar:
+            lint.coverage(ruleset, report, configs, **_pool_options(args, bar))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print("\n".join(report.lines(static) + [report.tally()]))
     return INVALID if report.errors else OK
 
 
@@ -166,8 +178,25 @@ def cmd_run(args) -> int:
     return OK
 
 
-def _progress(done: int, total: int) -> None:
-    print(f"  {done}/{total} cells", file=sys.stderr, flush=True)
+@contextlib.contextmanager
+def _progress(args, total: int, label: str):
+    from moerules.engine.progress import progress
+    bar = progress(total, label, quiet=args.quiet)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _pool_options(args, bar) -> dict:
+    from moerules.engine.decision_cache import default_root
+    root = None if args.no_cache else Path(args.cache) if args.cache else default_root()
+    return {"cache_root": root, "workers": args.workers, "progress": bar}
+
+
+def _matrix_cells(ruleset) -> list:
+    from moerules.engine import matrix
+    return list(matrix.cells(ruleset.backends))
 
 
 def cmd_matrix(args) -> int:
@@ -175,8 +204,11 @@ def cmd_matrix(args) -> int:
     from moerules.engine.decide import engine_for
     engine = engine_for(args.rules, args.engine)
     out = Path(args.out)
-    print(f"moerules: deciding the matrix ({engine.name} engine)...", file=sys.stderr)
-    rows = matrix.build_rows(engine, progress=_progress)
+    cells = _matrix_cells(engine.ruleset)
+    if not args.quiet:
+        print(f"moerules: deciding the matrix ({len(cells)} cells, {engine.name} engine)...", file=sys.stderr)
+    with _progress(args, len(cells), "matrix") as bar:
+        rows = matrix.build_rows(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
     golden = out / "decisions.csv"
     if args.check:
         if not golden.is_file():
@@ -200,15 +232,20 @@ def cmd_matrix(args) -> int:
 
 def cmd_diff(args) -> int:
     from moerules.engine import matrix
-    from moerules.engine.decide import Engine
     from moerules.engine.ruleset_source import resolve
-    old, new = Engine(resolve(args.old)), Engine(resolve(args.new))
-    cells = [] if args.no_matrix else list(matrix.cells(set(old.ruleset.backends) | set(new.ruleset.backends)))
+    old, new = resolve(args.old), resolve(args.new)
+    cells = [] if args.no_matrix else list(matrix.cells(set(old.backends) | set(new.backends)))
     cells += list(matrix.random_cells(args.random, args.seed))
-    print(f"moerules: comparing {len(cells)} configs ({args.random} random)...", file=sys.stderr)
-    changes = matrix.compare({c.key: matrix.row(old, c) for c in cells}, {c.key: matrix.row(new, c) for c in cells})
+    if not args.quiet:
+        print(f"moerules: comparing {len(cells)} configs ({args.random} random)...", file=sys.stderr)
+    sides = []
+    for label, ruleset in (("old", old), ("new", new)):
+        with _progress(args, len(cells), f"diff {label}") as bar:
+            rows = matrix.build_rows(ruleset, "auto", cells, **_pool_options(args, bar))
+        sides.append({r["cell"]: r for r in rows})
+    changes = matrix.compare(*sides)
     if args.json:
-        print(json.dumps({"old": old.ruleset.hash, "new": new.ruleset.hash, "configs": len(cells),
+        print(json.dumps({"old": old.hash, "new": new.hash, "configs": len(cells),
                           "changed": len(changes), "changes": [c.to_dict() for c in changes]}, indent=2))
     else:
         for change in changes[:args.limit]:
@@ -270,6 +307,19 @@ def _rules_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rule evaluator (default: durable-rules where importable)")
 
 
+_CACHE_HELP = ("Decisions are cached on disk per rule-set content hash in $MOERULES_CACHE_DIR (default "
+               "$XDG_CACHE_HOME/moerules/decisions or ~/.cache/moerules/decisions); deleting it is always safe.")
+
+
+def _bulk_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the tools that evaluate every matrix cell: cache, processes, progress."""
+    parser.add_argument("--cache", metavar="DIR", help="decision cache folder (default: $MOERULES_CACHE_DIR, "
+                                                        "else $XDG_CACHE_HOME/moerules/decisions)")
+    parser.add_argument("--no-cache", action="store_true", help="decide every cell afresh; read and write no cache")
+    parser.add_argument("--workers", type=int, help="processes (default: every core this process may use)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal anyway)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
         " Decide, explain and run the fused-MoE kernel backend for a layer."))
@@ -280,26 +330,32 @@ def make_parser() -> argparse.ArgumentParser:
         _config_arguments(sub)
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
         sub.set_defaults(func=func)
-    lint = commands.add_parser("lint", help="static checks of a rule set", description="static checks of a rule set")
+    lint = commands.add_parser("lint", help="static checks of a rule set, then coverage over the matrix",
+                               description="static checks of a rule set (printed first), then dispatch/plan "
+                                           "coverage over every matrix cell", epilog=_CACHE_HELP)
     _rules_option(lint)
     lint.add_argument("--json", action="store_true")
+    lint.add_argument("--static", action="store_true", help="load and capacity checks only (no kernel registry, no coverage)")
+    _bulk_arguments(lint)
     lint.set_defaults(func=cmd_lint)
     schema = commands.add_parser("schema", help="write the JSON Schema files", description="write the JSON Schema files")
     schema.add_argument("--out", help="folder (default: the package's schema/)")
     schema.add_argument("--check", action="store_true", help="fail if the committed files are stale")
     schema.set_defaults(func=cmd_schema)
     matrix = commands.add_parser("matrix", help="decide every cell of the categorical space (golden table + HTML)",
-                                 description="decide every cell of the categorical space; write or check the golden table")
+                                 description="decide every cell of the categorical space; write or check the golden table",
+                                 epilog=_CACHE_HELP)
     _rules_option(matrix)
     matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
     matrix.add_argument("--limit", type=int, default=50, help="changed cells to print (default 50)")
     matrix.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],
                         help="evaluator; `--check --engine reference` is the engine differential over every cell")
+    _bulk_arguments(matrix)
     matrix.set_defaults(func=cmd_matrix)
     diff = commands.add_parser("diff", help="which decisions change between two rule sets",
                                description="compare two rule sets (folders, files, or git refs of rules/) over the "
-                                           "matrix and random configs")
+                                           "matrix and random configs", epilog=_CACHE_HELP)
     diff.add_argument("old", help="rules folder/file or git ref (e.g. main, HEAD~1, v0.1:rules)")
     diff.add_argument("new", help="rules folder/file or git ref")
     diff.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
@@ -308,6 +364,7 @@ def make_parser() -> argparse.ArgumentParser:
     diff.add_argument("--limit", type=int, default=50, help="changes to print (default 50)")
     diff.add_argument("--json", action="store_true")
     diff.add_argument("--fail-on-change", action="store_true", help="exit 1 when any decision changed (CI gate)")
+    _bulk_arguments(diff)
     diff.set_defaults(func=cmd_diff)
     mutate = commands.add_parser("mutate", help="delete/negate/weaken each rule; report mutants the matrix misses",
                                  description="rule mutation testing against the decision matrix")

@@ -17,8 +17,8 @@ from typing import Iterable, Optional
 from moerules.config import MoEConfig
 
 from moerules.errors import EngineError, RuleSetError
-from moerules.engine import matrix
-from moerules.engine.compiler import CompiledRules, compile_rules
+from moerules.engine import matrix, pool
+from moerules.engine.compiler import compile_rules
 from moerules.decision import ReasonCode
 from moerules.engine.decide import Assembler, Engine
 from moerules.engine.evaluate import PhaseRunner, effective_order
@@ -45,40 +45,57 @@ class LintReport:
     def add(self, level: str, code: str, message: str, where: Optional[str] = None) -> None:
         self.findings.append(Finding(level, code, message, where))
 
+    def lines(self, start: int = 0) -> list[str]:
+        """Findings from `start` on: the CLI prints the static ones before coverage runs."""
+        return [f"{f.level}: {f.where + ': ' if f.where else ''}[{f.code}] {f.message}" for f in self.findings[start:]]
+
+    def tally(self) -> str:
+        return (f"{len(self.errors)} error(s), {len(self.findings) - len(self.errors)} warning(s); "
+                f"{self.configs_checked} configs checked")
+
     def text(self) -> str:
-        lines = [f"{f.level}: {f.where + ': ' if f.where else ''}[{f.code}] {f.message}" for f in self.findings]
-        lines.append(f"{len(self.errors)} error(s), {len(self.findings) - len(self.errors)} warning(s); "
-                     f"{self.configs_checked} configs checked")
-        return "\n".join(lines)
+        return "\n".join(self.lines() + [self.tally()])
 
     def to_dict(self) -> dict:
         return {"findings": [asdict(f) for f in self.findings], "configs_checked": self.configs_checked}
 
 
-def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None) -> LintReport:
-    """Lint a rule set; coverage is checked over `configs` (default: every decision-matrix cell, ~1 min)."""
+def lint(rules=None, configs: Optional[Iterable[MoEConfig]] = None, **pool_options) -> LintReport:
+    """Lint a rule set; coverage is checked over `configs` (default: every decision-matrix cell).
+
+    `pool_options` (cache_root, workers, progress) go to `pool.evaluate_all`."""
+    report, ruleset = static_checks(rules)
+    if ruleset is not None:
+        kernel_checks(ruleset, report)
+        coverage(ruleset, report, configs, **pool_options)
+    return report
+
+
+def static_checks(rules=None) -> tuple[LintReport, Optional[RuleSet]]:
+    """The load and capacity checks: no decision and no torch import, so well under a second.
+    The rule set is None when it does not load; nothing else can run then."""
     report = LintReport()
     try:
         ruleset = load_rules(rules)
     except RuleSetError as error:
-        return _errors(report, "load", error)
+        _errors(report, "load", error)
+        return report, None
     try:  # durable-rules' capacities, checked by the compiler before any engine exists
-        compiled = compile_rules(ruleset)
+        compile_rules(ruleset)
     except RuleSetError as error:
-        return _errors(report, "capacity", error)
-    _kernels(ruleset, report)
-    _coverage(ruleset, compiled, report, configs if configs is not None else (c.config for c in matrix.cells(ruleset.backends)))
-    return report
+        _errors(report, "capacity", error)
+        return report, None
+    return report, ruleset
 
 
-def _errors(report: LintReport, code: str, error: RuleSetError) -> LintReport:
+def _errors(report: LintReport, code: str, error: RuleSetError) -> None:
     for e in error.errors:
         report.add("error", code, e.message + (f" ({e.hint})" if e.hint else ""),
                    f"{e.file}:{e.line}:{e.col}" if e.line else e.file)
-    return report
 
 
-def _kernels(ruleset: RuleSet, report: LintReport) -> None:
+def kernel_checks(ruleset: RuleSet, report: LintReport) -> None:
+    """Kernel ids the registry does not know (imports the registry, hence torch: about a second)."""
     try:
         from moerules.kernels.registry import EXPERTS, PREPARE_FINALIZE
     except ImportError as error:
@@ -93,28 +110,21 @@ def _kernels(ruleset: RuleSet, report: LintReport) -> None:
                            f"{', '.join(sorted(registered))}); build() will refuse it", str(declared.source))
 
 
-def _coverage(ruleset: RuleSet, compiled: CompiledRules, report: LintReport, configs) -> None:
-    engine = Engine(ruleset)
+def coverage(ruleset: RuleSet, report: LintReport, configs: Optional[Iterable[MoEConfig]] = None,
+             **pool_options) -> None:
+    """Dispatch/plan coverage, reachability and priority gaps over `configs` (default: the matrix)."""
+    configs = [c.config for c in matrix.cells(ruleset.backends)] if configs is None else list(configs)
+    records = pool.evaluate_all(coverage_record, ruleset, configs, **pool_options)
+    report.configs_checked += len(configs)
     ever_eligible: set[str] = set()
     omitted: dict[tuple, int] = defaultdict(int)
     problems: dict[str, int] = defaultdict(int)
-    for config in configs:
-        report.configs_checked += 1
-        with engine.runner.session() as session:
-            assembler = Assembler(engine, config, PhaseRunner(compiled, session, config, engine.rejections))
-            try:
-                decision = assembler.run()
-            except EngineError as error:
-                problems[str(error)] += 1
-                continue
-        evaluation = assembler.evaluation
-        # A backend is reachable when eligible; a dispatcher only when a dispatch rule also picks it.
-        ever_eligible |= evaluation.eligible & (set(ruleset.backends) | {r.item.use for r in evaluation.dispatch_rules})
-        if decision.failure_reason == ReasonCode.no_dispatcher:
-            problems[decision.error] += 1
-        order, base = effective_order(evaluation.priority_rules)
-        for backend in evaluation.eligible & set(ruleset.backends) - set(order):
-            omitted[backend, base.id if base else "(no priority rule)", config.platform.vendor.value] += 1
+    for config, record in zip(configs, records):
+        ever_eligible.update(record["reachable"])
+        if record["problem"]:
+            problems[record["problem"]] += 1
+        for backend, rule in record["omitted"]:
+            omitted[backend, rule, config.platform.vendor.value] += 1
     for name in list(ruleset.backends) + list(ruleset.dispatchers):
         if name not in ever_eligible:
             report.add("warning", "unreachable", f"{name} is eligible for no config of the decision matrix",
@@ -124,3 +134,21 @@ def _coverage(ruleset: RuleSet, compiled: CompiledRules, report: LintReport, con
                    f"{backend} is eligible on {vendor} in {count} matrix configs but {rule} does not list it")
     for message, count in sorted(problems.items()):
         report.add("error", "coverage", f"{message} ({count} matrix configs)")
+
+
+def coverage_record(engine: Engine, config: MoEConfig) -> dict:
+    """What coverage needs of one config (JSON, so the decision cache can keep it): the components it
+    can reach, eligible backends its priority list omits, and a coverage hole if any."""
+    with engine.runner.session() as session:
+        assembler = Assembler(engine, config, PhaseRunner(engine.compiled, session, config, engine.rejections))
+        try:
+            decision = assembler.run()
+        except EngineError as error:
+            return {"reachable": [], "omitted": [], "problem": str(error)}
+    evaluation, ruleset = assembler.evaluation, engine.ruleset
+    # A backend is reachable when eligible; a dispatcher only when a dispatch rule also picks it.
+    reachable = evaluation.eligible & (set(ruleset.backends) | {r.item.use for r in evaluation.dispatch_rules})
+    order, base = effective_order(evaluation.priority_rules)
+    omitted = sorted(evaluation.eligible & set(ruleset.backends) - set(order))
+    return {"reachable": sorted(reachable), "omitted": [[b, base.id if base else "(no priority rule)"] for b in omitted],
+            "problem": decision.error if decision.failure_reason == ReasonCode.no_dispatcher else None}

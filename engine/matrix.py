@@ -11,15 +11,18 @@ import io
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 from moerules.activation import Activation
 from moerules.config import All2AllBackend, MoEConfig, Package, Routing
 from moerules.quant import QuantFamily
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
+from moerules.engine import pool
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
+from moerules.engine.progress import Progress
+from moerules.engine.ruleset import RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
              ("cuda", "sm_100"), ("cuda", "sm_110"), ("cuda", "sm_120"), ("rocm", "gfx942"), ("rocm", "gfx950"),
@@ -35,8 +38,10 @@ ALIGNMENTS = {"aligned": dict(hidden_size=4096, intermediate_size=4096),
 PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 2, "expert_parallel": True},
              "a2a_torch": {"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},
              "a2a_deepep_ll": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
-             "a2a_mori": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"}}
-PACKAGES = {"all": [p.value for p in Package], "triton": ["triton"]}
+             "a2a_mori": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
+             "a2a_deepep_ht": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_high_throughput"}}
+# Every package, Triton alone, and a bare torch install (no kernel package: only torch backends remain).
+PACKAGES = {"all": [p.value for p in Package], "triton": ["triton"], "none": []}
 COLUMNS = ["cell", "outcome", "backend", "alternatives", "prepare_finalize", "selected_by", "fallback_rule", "quantized_by",
            "expects_unquantized_inputs", "dispatch_dtype", "scale_dim", "weight_block", "hidden_pad",
            "intermediate_pad", "expert_placement", "failure_reason", "rules"]
@@ -125,9 +130,9 @@ def random_cells(count: int, seed: int = 0) -> Iterator[Cell]:
         yield Cell(f"random#{seed}:{index}", config)
 
 
-def decide_cell(engine: Engine, cell: Cell) -> Decision:
+def decide_config(engine: Engine, config: MoEConfig) -> Decision:
     try:
-        return engine.decide(cell.config, quiet=True)
+        return engine.decide(config, quiet=True)
     except BackendRejectedError as error:
         return error.decision
 
@@ -149,14 +154,14 @@ def responsible_rules(engine: Engine, decision: Decision) -> list[str]:
     return sorted(rules)
 
 
-def row(engine: Engine, cell: Cell) -> dict:
-    """The cell's record; a cell the rules cannot decide (a coverage hole) is an 'error' row."""
+def record(engine: Engine, config: MoEConfig) -> dict:
+    """A config's row, less its cell name; a config the rules cannot decide (a coverage hole) is an 'error' row."""
     try:
-        d = decide_cell(engine, cell)
+        d = decide_config(engine, config)
     except EngineError as error:
-        return {"cell": cell.key, "outcome": "error", "failure_reason": str(error), "rules": ""}
+        return {"outcome": "error", "failure_reason": str(error), "rules": ""}
     q, pad = d.quant, d.padding
-    return {"cell": cell.key, "outcome": d.outcome.value, "backend": d.backend or "",
+    return {"outcome": d.outcome.value, "backend": d.backend or "",
             "alternatives": " ".join(d.alternatives),
             "prepare_finalize": d.prepare_finalize or "", "selected_by": d.selected_by.value if d.selected_by else "",
             "fallback_rule": d.fallback_rule or "", "quantized_by": q.quantized_by.value if q else "",
@@ -169,14 +174,17 @@ def row(engine: Engine, cell: Cell) -> dict:
             "rules": " ".join(responsible_rules(engine, d))}
 
 
-def build_rows(engine: Engine, progress=None, extra: Iterable[Cell] = ()) -> list[dict]:
-    all_cells = list(cells(engine.ruleset.backends)) + list(extra)
-    rows = []
-    for index, cell in enumerate(all_cells):
-        rows.append(row(engine, cell))
-        if progress and (index + 1) % 2000 == 0:
-            progress(index + 1, len(all_cells))
-    return rows
+def row(engine: Engine, cell: Cell) -> dict:
+    return {"cell": cell.key, **record(engine, cell.config)}
+
+
+def build_rows(ruleset: RuleSet, evaluator: str = "auto", cells_: Optional[Sequence[Cell]] = None, *,
+               cache_root=None, workers: Optional[int] = None, progress: Optional[Progress] = None) -> list[dict]:
+    """The rows of `cells_` (default: the whole matrix), on every core, through the decision cache."""
+    chosen = list(cells(ruleset.backends)) if cells_ is None else cells_
+    records = pool.evaluate_all(record, ruleset, [c.config for c in chosen], evaluator=evaluator,
+                                cache_root=cache_root, workers=workers, progress=progress)
+    return [{"cell": c.key, **r} for c, r in zip(chosen, records)]
 
 
 def to_csv(rows: list[dict]) -> str:

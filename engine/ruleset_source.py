@@ -21,11 +21,12 @@ def resolve(spec: str, repo: Path = Path(".")) -> RuleSet:
     if listing is None:
         raise RuleSetError([RuleFileError(f"neither a path nor a git ref with a {folder}/ folder "
                                           f"(try a branch, a commit, or REF:path/to/rules)", file=spec)])
-    out = Path(tempfile.mkdtemp(prefix="moerules-rules-"))
-    for name in listing.split():
-        if name.endswith(".yaml"):
-            (out / name).write_text(_git(repo, "show", f"{ref}:{folder}/{name}") or "", encoding="utf-8")
-    return load_rules(out)
+    # The loaded RuleSet holds everything it read, so the extracted files can go at once.
+    with tempfile.TemporaryDirectory(prefix="moerules-rules-") as out:
+        for name in listing.split():
+            if name.endswith(".yaml"):
+                (Path(out) / name).write_text(_git(repo, "show", f"{ref}:{folder}/{name}") or "", encoding="utf-8")
+        return load_rules(out)
 
 
 def _git(repo: Path, *args: str):

@@ -29,6 +29,12 @@ settings.register_profile("deep", max_examples=100_000, deadline=None, suppress_
 settings.load_profile("ci")
 
 
+@pytest.fixture(autouse=True)
+def _private_decision_cache(tmp_path_factory, monkeypatch):
+    """Tools under test keep their decision cache in this run's temp folder, never the user's."""
+    monkeypatch.setenv("MOERULES_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "decision-cache"))
+
+
 SECTIONS = ("constraints", "priorities", "dispatch", "plan", "backends", "dispatchers")
 
 

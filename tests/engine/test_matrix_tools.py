@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tempfile
 
+import pytest
 import yaml
 
 from moerules.engine import mutate
 from moerules.engine.cli import main
 from moerules.engine.loader import load_rules
+from moerules.engine.ruleset_source import resolve
 from moerules.resources import default_rules_dir
 
 
@@ -31,7 +34,9 @@ def test_diff_of_identical_rules_is_empty(capsys):
     assert "0 changed decision(s) of 200" in capsys.readouterr().out
 
 
-def test_diff_reads_git_refs(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def rules_repo(tmp_path):
+    """A git repository whose one commit holds the default rules."""
     repo = tmp_path / "repo"
     shutil.copytree(default_rules_dir(), repo / "rules")
     git = lambda *args: subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],  # noqa: E731
@@ -39,6 +44,11 @@ def test_diff_reads_git_refs(tmp_path, capsys, monkeypatch):
     git("init", "-q")
     git("add", "-A")
     git("commit", "-qm", "rules v1")
+    return repo
+
+
+def test_diff_reads_git_refs(rules_repo, capsys, monkeypatch):
+    repo = rules_repo
     quant = repo / "rules" / "30-quant.yaml"
     data = yaml.safe_load(quant.read_text())
     data["constraints"] = [c for c in data["constraints"] if c["id"] != "batched_triton.no_int8"]
@@ -51,6 +61,14 @@ def test_diff_reads_git_refs(tmp_path, capsys, monkeypatch):
                for c in report["changes"])
     assert main(["diff", "no-such-ref", "rules", "--no-matrix", "--random", "1"]) == 2
     assert "neither a path nor a git ref" in capsys.readouterr().err
+
+
+def test_a_git_ref_is_read_without_leaving_files_behind(rules_repo, tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert resolve("HEAD", rules_repo).hash == load_rules().hash
+    assert list(scratch.iterdir()) == []
 
 
 def test_mutants_cover_every_rule_and_a_sample_is_killed():

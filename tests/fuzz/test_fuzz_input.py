@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from moerules import load_rules
@@ -57,8 +57,10 @@ def load_typed(folder: Path, name: str, data: bytes) -> None:
     (folder / name).write_bytes(data)
     try:
         load_rules(folder)
+        event("loaded")
     except RuleSetError as error:
         assert error.errors and all(isinstance(e, RuleFileError) and e.file for e in error.errors)
+        event("typed error")
 
 
 @FUZZ
@@ -89,11 +91,13 @@ def test_adversarial_config_file(folder, data):
         config = build_config(make_parser().parse_args(["decide", str(path)]))
     except ConfigFileError as error:
         assert error.file == str(path)
+        event("typed error")
         return
     try:
         decide(config)
+        event("decided")
     except MoeRulesError:  # a pinned backend that is unknown or rejected
-        pass
+        event("typed error")
 
 
 def mutate(data: dict, rng: random.Random, values: list) -> None:

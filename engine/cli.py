@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import yaml
 from pydantic import ValidationError
 
 from moerules.config import MoEConfig
-from moerules.errors import BackendRejectedError, MoeRulesError
+from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError
+from moerules.engine.loader import structure_error
+from moerules.engine.yamlsource import YamlDocument
 from moerules.presets import PRESETS, preset
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
@@ -25,21 +26,19 @@ class InputError(Exception):
 
 
 # -- building a config ----------------------------------------------------------------------
-def _read_config_file(path: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise InputError(f"{path}: no such config file")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))  # JSON is YAML too
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise InputError(f"{where}: invalid YAML/JSON: {getattr(error, 'problem', error)}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: a config is a mapping with model/quant/parallel/platform/features sections")
-    if isinstance(data.get("model"), str):  # `model: mixtral-8x7b` names a preset
-        data = _merge(_preset(data["model"]), {k: v for k, v in data.items() if k != "model"})
-    return data
+def _read_config_file(path: str) -> tuple[YamlDocument, dict]:
+    """The config file's document and its data, a named preset (`model: mixtral-8x7b`) filled in."""
+    doc = YamlDocument(Path(path), path, error=ConfigFileError)  # JSON is YAML too
+    if not isinstance(doc.data, dict):
+        raise doc.error("a config is a mapping with model/quant/parallel/platform/features sections", ())
+    data = doc.data
+    if isinstance(data.get("model"), str):
+        try:
+            base = preset(data["model"])
+        except KeyError as error:
+            raise doc.error(error.args[0], ("model",)) from None
+        data = _merge(base, {k: v for k, v in data.items() if k != "model"})
+    return doc, data
 
 
 def _preset(name: str) -> dict:
@@ -87,8 +86,9 @@ def _flags_to_sections(args) -> dict:
 def build_config(args) -> MoEConfig:
     if args.config and args.model:
         raise InputError("give a config file or --model, not both")
+    doc = None
     if args.config:
-        data = _read_config_file(args.config)
+        doc, data = _read_config_file(args.config)
     elif args.model:
         data = _preset(args.model)
     else:
@@ -101,7 +101,9 @@ def build_config(args) -> MoEConfig:
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as error:
-        raise InputError(_pydantic_message(error, args.config or f"--model {args.model}")) from None
+        if doc is None:
+            raise InputError(_pydantic_message(error, f"--model {args.model}")) from None
+        raise structure_error(doc, error.errors()[0], MoEConfig) from None  # the first; fixing it may fix the rest
 
 
 def _pydantic_message(error: ValidationError, source: str) -> str:

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from moerules.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
+
 Scalar = Union[int, bool, str]
 
 
@@ -75,8 +77,9 @@ class Not:
 
 Expr = Union[Cmp, In, And, Or, Not]
 
-_TOKEN = re.compile(r"\s*(?:(?P<op>==|!=|<=|>=|<|>|\(|\)|\[|\]|,)|(?P<num>-?\d+)(?![\w.])"
+_TOKEN = re.compile(r"\s*(?:(?P<op>==|!=|<=|>=|<|>|\(|\)|\[|\]|,)|(?P<num>-?[0-9]+)(?![\w.])"
                     r"|(?P<str>'[^']*'|\"[^\"]*\")|(?P<name>[A-Za-z_][\w.]*))")
+_TRAILING_SPACE = re.compile(r"\s*\Z")
 _NEGATED_OP = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">"}
 # Operators people write from other languages, and what this language spells them as.
 _OPERATOR_HINTS = {"=>": ">=", "=<": "<=", "<>": "!=", "=": "==", "&&": "and", "||": "or", "!": "not",
@@ -98,12 +101,13 @@ class _Parser:
         self.text, self.fields = text, fields
         self.tokens = self._tokenize(text)
         self.pos = 0
+        self.depth = 0  # open `not`s and parentheses: each costs stack frames
 
     @staticmethod
     def _tokenize(text: str) -> list[tuple[str, str, int]]:
         tokens, at = [], 0
         while at < len(text):
-            if text[at:].strip() == "":
+            if _TRAILING_SPACE.match(text, at):  # not text[at:].strip(): that copies, quadratic in the length
                 break
             match = _TOKEN.match(text, at)
             if not match or match.end() == at:
@@ -156,15 +160,20 @@ class _Parser:
         return items[0] if len(items) == 1 else And(tuple(items))
 
     def unary(self) -> Expr:
-        if self.is_word("not"):
-            self.take()
-            return Not(self.unary())
-        if self.peek()[1] == "(":
-            self.take()
+        if not (self.is_word("not") or self.peek()[1] == "("):
+            return self.test()
+        kind, text, at = self.take()
+        self.depth += 1
+        if self.depth > MAX_EXPR_DEPTH:
+            raise ExprError(f"conditions nest at most {MAX_EXPR_DEPTH} levels of 'not' and parentheses", at,
+                            "simplify the condition, or split it into several rules")
+        if text == "not":
+            inner: Expr = Not(self.unary())
+        else:
             inner = self.disjunction()
             self.expect(")")
-            return inner
-        return self.test()
+        self.depth -= 1
+        return inner
 
     def field(self) -> FieldSpec:
         kind, name, at = self.take()
@@ -218,6 +227,9 @@ class _Parser:
         if spec.kind == "int":
             if kind != "num":
                 raise ExprError(f"{spec.path!r} is a number; {text!r} is not", at)
+            if len(text.lstrip("-")) > MAX_INT_DIGITS:
+                raise ExprError(f"numbers have at most {MAX_INT_DIGITS} digits", at,
+                                "rule engines carry 64-bit numbers")
             return int(text)
         if spec.kind == "bool":
             if text not in ("true", "false"):

@@ -15,7 +15,7 @@ from typing import Optional, Union
 from pydantic import BaseModel, ValidationError
 
 from moerules.decision import SourceRef
-from moerules.errors import RuleFileError, RuleSetError
+from moerules.errors import FileError, RuleFileError, RuleSetError
 from moerules.quant import QuantDtype
 from moerules.resources import default_rules_dir
 from moerules.engine import fields as F
@@ -72,7 +72,7 @@ class _Loader:
         try:
             self.docs.append((doc, RuleFile.model_validate(doc.data)))
         except ValidationError as error:
-            self.errors.extend(_structure_error(doc, detail) for detail in error.errors())
+            self.errors.extend(structure_error(doc, detail, RuleFile) for detail in error.errors())
 
     # -- pass 3: cross-file checks ----------------------------------------------------------
     def _declare(self, ruleset: RuleSet) -> None:
@@ -202,12 +202,13 @@ def _source(doc: YamlDocument, loc) -> SourceRef:
     return SourceRef(file=doc.display, line=doc.position(loc + ("id",)).line)
 
 
-def _structure_error(doc: YamlDocument, detail: dict) -> RuleFileError:
+def structure_error(doc: YamlDocument, detail: dict, root: type[BaseModel]) -> FileError:
+    """One pydantic error of validating `doc` against `root`, at its file:line:col, with a did-you-mean."""
     loc = tuple(part for part in detail["loc"] if not (isinstance(part, str) and part.startswith("function-")))
     rule = _rule_id_at(doc.data, loc)
     hint, at_key = None, detail["type"] == "extra_forbidden"
     if at_key:
-        model = _model_at(loc[:-1])
+        model = _model_at(loc[:-1], root)
         close = suggest(str(loc[-1]), model.model_fields) if model else None
         message = f"unknown field {loc[-1]!r}"
         hint = f"did you mean {close!r}?" if close else (
@@ -230,9 +231,9 @@ def _rule_id_at(data, loc) -> Optional[str]:
     return None
 
 
-def _model_at(loc) -> Optional[type[BaseModel]]:
-    """The rule-file model whose fields are valid at `loc` (for did-you-mean on unknown fields)."""
-    model: type[BaseModel] = RuleFile
+def _model_at(loc, root: type[BaseModel]) -> Optional[type[BaseModel]]:
+    """The model under `root` whose fields are valid at `loc` (for did-you-mean on unknown fields)."""
+    model = root
     for part in loc:
         if isinstance(part, int):
             continue

@@ -7,10 +7,13 @@ per-partition intermediate size, whether all2all is in use) is computed once, he
 
 from __future__ import annotations
 
+import re
 from enum import Enum
+
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, field_validator, model_validator
 
 from moerules.activation import Activation, Dtype
+from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS
 from moerules.quant import QuantConfig
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -172,6 +175,9 @@ class Package(str, Enum):
 
 
 _ARCH_PREFIX = {Vendor.cuda: "sm_", Vendor.rocm: "gfx", Vendor.xpu: "xe", Vendor.cpu: ""}
+# ASCII only: str.isdigit/isalnum accept '²' and full-width '９０', which int() reads as another arch.
+_ARCH = re.compile(rf"[A-Za-z0-9_]{{1,{MAX_ARCH_LENGTH}}}")
+_CUDA_ARCH = re.compile(rf"sm_[0-9]{{1,{MAX_CUDA_CC_DIGITS}}}")
 
 
 class Platform(_Record):
@@ -190,8 +196,9 @@ class Platform(_Record):
     @field_validator("arch")
     @classmethod
     def _arch_shape(cls, arch: str) -> str:
-        if not arch or not all(c.isalnum() or c == "_" for c in arch):
-            raise ValueError(f"arch {arch!r} must be a name such as sm_90, gfx950 or x86_64")
+        if not _ARCH.fullmatch(arch):
+            raise ValueError(f"arch {arch[:MAX_ARCH_LENGTH]!r} must be a name of at most {MAX_ARCH_LENGTH} ASCII "
+                             "letters, digits and '_', such as sm_90, gfx950 or x86_64")
         return arch.lower()
 
     @model_validator(mode="after")
@@ -200,8 +207,9 @@ class Platform(_Record):
         if prefix and not self.arch.startswith(prefix):
             raise ValueError(f"arch {self.arch!r} does not belong to vendor {self.vendor.value!r} "
                              f"(expected a name starting with {prefix!r})")
-        if self.vendor == Vendor.cuda and not self.arch[3:].isdigit():
-            raise ValueError(f"CUDA arch {self.arch!r} must be sm_<capability>, e.g. sm_90 or sm_120")
+        if self.vendor == Vendor.cuda and not _CUDA_ARCH.fullmatch(self.arch):
+            raise ValueError(f"CUDA arch {self.arch!r} must be sm_<capability> with at most {MAX_CUDA_CC_DIGITS} "
+                             "digits, e.g. sm_90 or sm_120")
         return self
 
     @computed_field

@@ -12,8 +12,10 @@ class MoeRulesError(Exception):
     """Base class: every error moerules raises on purpose."""
 
 
-class RuleFileError(MoeRulesError):
-    """A rule file is malformed. Carries file:line:col and the rule id when known."""
+class FileError(MoeRulesError):
+    """An input file is malformed. Carries file:line:col (line 0: the whole file), a fix hint, and the rule id when known."""
+
+    what = "input file"  # how messages name the kind of file
 
     def __init__(self, message: str, *, file: str, line: int = 0, col: int = 0,
                  rule: Optional[str] = None, hint: Optional[str] = None):
@@ -22,6 +24,18 @@ class RuleFileError(MoeRulesError):
         where = f"{file}:{line}:{col}" if line else file
         text = f"{where}: " + (f"[{rule}] " if rule else "") + message
         super().__init__(text + (f" ({hint})" if hint else ""))
+
+
+class RuleFileError(FileError):
+    """A rule file is malformed."""
+
+    what = "rule file"
+
+
+class ConfigFileError(FileError):
+    """A config file (YAML/JSON with MoEConfig sections) is malformed or does not validate."""
+
+    what = "config file"
 
 
 class RuleSetError(MoeRulesError):

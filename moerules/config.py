@@ -13,7 +13,7 @@ from enum import Enum
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, field_validator, model_validator
 
 from moerules.activation import Activation, Dtype
-from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS
+from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS, MAX_LAYER_DIM, MAX_RANKS
 from moerules.quant import QuantConfig
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -53,9 +53,10 @@ class Routing(str, Enum):
 class ModelShape(_Record):
 
     num_experts: int = Field(ge=1, le=4096, description="Global number of routed experts.")
-    top_k: int = Field(ge=1, description="Experts per token.")
-    hidden_size: int = Field(ge=1, description="Model hidden size (K of GEMM1, N of GEMM2).")
-    intermediate_size: int = Field(ge=1, description="Expert intermediate size before tensor-parallel sharding.")
+    top_k: int = Field(ge=1, le=4096, description="Experts per token.")
+    hidden_size: int = Field(ge=1, le=MAX_LAYER_DIM, description="Model hidden size (K of GEMM1, N of GEMM2).")
+    intermediate_size: int = Field(ge=1, le=MAX_LAYER_DIM,
+                                   description="Expert intermediate size before tensor-parallel sharding.")
     activation: Activation = Activation.silu
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
     in_dtype: Dtype = Dtype.bf16
@@ -117,8 +118,8 @@ BATCHED_ALL2ALL = frozenset({All2AllBackend.deepep_low_latency, All2AllBackend.n
 
 class Parallel(_Record):
 
-    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
-    dp: int = Field(1, ge=1, description="Data-parallel size.")
+    tp: int = Field(1, ge=1, le=MAX_RANKS, description="Tensor-parallel size.")
+    dp: int = Field(1, ge=1, le=MAX_RANKS, description="Data-parallel size.")
     expert_parallel: bool = Field(False, description="Shard experts over the tp*dp ranks instead of tensor-sharding them.")
     all2all_backend: All2AllBackend = All2AllBackend.allgather_reducescatter
     eplb: bool = Field(False, description="Expert-parallel load balancing (redundant experts).")

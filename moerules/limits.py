@@ -31,3 +31,8 @@ MAX_ARCH_LENGTH = 32
 
 # Digits of a CUDA compute capability after `sm_` (sm_90, sm_120); it becomes an int the rules compare.
 MAX_CUDA_CC_DIGITS = 4
+
+# Sizes and parallel degrees in a config. The largest MoE layers are ~16k wide with ~1k experts;
+# a bound keeps every config field a number both rule engines carry exactly (64-bit in durable).
+MAX_LAYER_DIM = 1 << 20
+MAX_RANKS = 1 << 16

@@ -120,6 +120,16 @@ def test_arch_within_limits_is_accepted():
     assert MoEConfig(model=MODEL, platform={"vendor": "cuda", "arch": "SM_1200"}).platform.cc == 1200
 
 
+@pytest.mark.parametrize("section, field", [("model", "hidden_size"), ("model", "intermediate_size"),
+                                            ("model", "top_k"), ("parallel", "tp"), ("parallel", "dp")])
+def test_config_numbers_stay_within_what_both_engines_carry(section, field):
+    """A number past 64 bits would compare differently in durable (C) and the reference (Python)."""
+    data = {"model": dict(MODEL), "parallel": {}}
+    data[section][field] = 2 ** 64 + 64
+    with pytest.raises(ValidationError, match=f"{section}.{field}"):
+        MoEConfig(**data)
+
+
 def config_error(path) -> ConfigFileError:
     with pytest.raises(ConfigFileError) as raised:
         build_config(make_parser().parse_args(["decide", str(path)]))

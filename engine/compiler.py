@@ -74,12 +74,17 @@ class CompiledRule:
         return tuple(firing.name for firing in self.firings)
 
     @cached_property
-    def rule_ids(self) -> frozenset[str]:
-        return frozenset(firing.rule_id for firing in self.firings)
+    def selects(self) -> tuple[str, ...]:
+        """Ids of the priority, dispatch and plan rules it stands for."""
+        return tuple(f.rule_id for f in self.firings if f.kind in ("priority", "dispatch", "plan"))
 
     @cached_property
     def rejects(self) -> tuple[Firing, ...]:
         return tuple(firing for firing in self.firings if firing.kind == "reject")
+
+    @cached_property
+    def rejected(self) -> tuple[str, ...]:
+        return tuple(firing.target for firing in self.rejects)
 
     @cached_property
     def eligible(self) -> tuple[str, ...]:
@@ -101,6 +106,9 @@ class CompiledRules:
         for rule in rules:
             reads.setdefault(rule.tag, {}).setdefault(rule.shard, set()).update(_paths(rule.condition) - {TAG, SHARD})
         self.reads = {tag: [tuple(sorted(shards[s])) for s in range(len(shards))] for tag, shards in reads.items()}
+        # Each reject firing's place in a decision's rejections, which are listed by (component, rule).
+        rejects = sorted((f for rule in rules for f in rule.rejects), key=lambda f: (f.target, f.rule_id))
+        self.reject_rank = {firing.name: rank for rank, firing in enumerate(rejects)}
 
     def firings(self) -> Iterable[Firing]:
         for rule in self.rules.values():

@@ -37,8 +37,8 @@ class Engine:
         self.ruleset = ruleset
         self.compiled: CompiledRules = compile_rules(ruleset)
         self.runner = _make_runner(self.compiled, engine)
-        self.rejections = Rejections(ruleset)
-        self._cache: OrderedDict[MoEConfig, Decision] = OrderedDict()
+        self.rejections = Rejections(self.compiled)
+        self._cache: OrderedDict[tuple, Decision] = OrderedDict()
         self._by_identity: dict[int, tuple[MoEConfig, Decision]] = {}
         self._lock = threading.Lock()
 
@@ -49,28 +49,32 @@ class Engine:
     def decide(self, config: MoEConfig, *, quiet: bool = False) -> Decision:
         """The (cached) decision; `quiet` skips the fallback log line (bulk tools such as matrix)."""
         # Engines ask once per layer with the same frozen config object: an identity hit skips
-        # the ~5 us nested pydantic hash. The entry holds the config, so its id is not reused.
+        # even the key. The entry holds the config, so its id is not reused while it is there.
         entry = self._by_identity.get(id(config))
         if entry is not None and entry[0] is config:
             return self._returned(entry[1])
         self._check_pin(config)
+        key = _config_key(config)
         with self._lock:
-            cached = self._cache.get(config)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(config)
+                self._cache.move_to_end(key)
+                self._remember(config, cached)
         if cached is None:
             cached = self._evaluate(config)
             if cached.fallback_rule and not quiet:  # logged once per (rules, config): later hits come from the cache
                 log.warning("moerules: auto mode fell back to %s by rule %s", cached.backend, cached.fallback_rule)
             with self._lock:
-                self._cache[config] = cached
+                self._cache[key] = cached
                 if len(self._cache) > _CACHE_SIZE:
                     self._cache.popitem(last=False)
-        with self._lock:
-            self._by_identity[id(config)] = (config, cached)
-            if len(self._by_identity) > _CACHE_SIZE:
-                self._by_identity.pop(next(iter(self._by_identity)))
+                self._remember(config, cached)
         return self._returned(cached)
+
+    def _remember(self, config: MoEConfig, decision: Decision) -> None:
+        self._by_identity[id(config)] = (config, decision)
+        if len(self._by_identity) > _CACHE_SIZE:
+            self._by_identity.pop(next(iter(self._by_identity)))
 
     @staticmethod
     def _returned(decision: Decision) -> Decision:
@@ -205,6 +209,12 @@ class Assembler:
         return dict(requested=self.requested, rejections=tuple(evaluation.rejections),
                     rules_hash=self.ruleset.hash, engine=self.engine.name,
                     trace=tuple(sorted(evaluation.fired)), config=self.config)
+
+
+def _config_key(config: MoEConfig) -> tuple:
+    """Equal configs give equal keys: the section field values, two levels deep. Hashing and
+    comparing these plain tuples costs a third of pydantic's nested __hash__ and __eq__."""
+    return tuple(tuple(section.__dict__.values()) for section in config.__dict__.values())
 
 
 def _round_up(value: int, multiple: int) -> int:

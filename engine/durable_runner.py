@@ -77,34 +77,43 @@ class DurableRunner:
 class _DurableSession:
     def __init__(self, handle: int, sid: str):
         self.handle, self.sid = handle, sid
-        self._prefix = f'{{"sid":"{sid}","{TAG}":'
         self._asserted: list[str] = []
         self._acted = False
 
-    def run(self, tag: str, shard: int, body: dict) -> list[str]:
-        """Assert one fact and drain the agenda: the names of the rules it fired, each once."""
-        # durable expands an `$or` into one Rete path per disjunct and fires once per path
-        # that matches; each compiled rule has one pattern, so one firing per name is the
-        # logical semantics.
-        text = f'{self._prefix}"{tag}","{SHARD}":{shard}' + (f",{json.dumps(body)[1:]}" if body else "}")
-        code, state = self._call(_c.assert_fact, text)
-        self._asserted.append(text)
-        if code == _RESULT_OBSERVED:
-            raise EngineError(f"durable-rules already holds this fact (a previous decision left it): {text}")
-        if code == _RESULT_NOT_HANDLED:
-            return []  # no rule of this shard reads this fact
+    def run(self, tag: str, bodies: list[dict]) -> list[str]:
+        """Assert one fact of `tag` per shard (bodies[i] in shard i) and drain the agenda: the
+        names of the rules they fired, each once."""
+        # One assert_facts call for all shards: durable processes every fact of the array (its
+        # result code says only whether some fact matched nothing, so it is not read) and
+        # queues their actions in the sid, drained below.
+        # durable also fires once per matching path of an `$or`; each compiled rule has one
+        # pattern, so one firing per name is the logical semantics.
+        if not bodies:
+            return []
+        array = json.dumps([{"sid": self.sid, TAG: tag, SHARD: shard, **body} for shard, body in enumerate(bodies)])
         fired: dict[str, None] = {}
-        result = self._call(_c.start_action_for_state, state)
-        messages = result[1] if result else None
-        while messages:
-            self._acted = True
-            fired[_rule_name(messages)] = None
-            messages = self._call(_c.complete_and_start_action, state)
+        try:
+            code, state = _c.assert_facts(self.handle, array)
+            self._asserted.append(array)
+            if code == _RESULT_OBSERVED:
+                raise EngineError(f"durable-rules already holds one of these facts (left by an earlier decision): {array}")
+            next_action, complete = _c.start_action_for_state, _c.complete_and_start_action
+            result = next_action(self.handle, state)
+            messages = result[1] if result else None
+            while messages:
+                self._acted = True
+                fired[messages[2:messages.index('"', 2)]] = None  # {"<rule>": {...}}: names never hold quotes
+                messages = complete(self.handle, state)
+        except _c.error as error:
+            raise EngineError(f"durable-rules failed on a {tag} fact ({error}); please report it") from None
         return list(fired)
 
     def retract_all(self) -> None:
-        for text in self._asserted:
-            self._call(_c.retract_fact, text)
+        try:
+            for array in self._asserted:
+                _c.retract_facts(self.handle, array)
+        except _c.error as error:
+            raise EngineError(f"durable-rules failed to retract a decision's facts ({error}); please report it") from None
         self._asserted.clear()
 
     def discard(self) -> None:
@@ -112,18 +121,3 @@ class _DurableSession:
         pointer when no action ever started in the sid, so such a sid is left in place."""
         if self._acted:
             _c.delete_state(self.handle, self.sid)
-
-    def _call(self, function, argument):
-        try:
-            return function(self.handle, argument)
-        except _c.error as error:
-            raise EngineError(f"durable-rules failed in {function.__name__} ({error}); please report it") from None
-
-
-def _rule_name(messages: str) -> str:
-    """The rule name of an action's messages, `{"<rule>": {...matched facts...}}`.
-
-    Decoding the whole JSON would parse the matched config fact on every action, which
-    was the largest single cost of a decision; compiled rule names never contain quotes.
-    """
-    return messages[2:messages.index('"', 2)]

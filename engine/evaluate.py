@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Mapping, Optional
 
 from moerules.config import MoEConfig
@@ -12,7 +11,7 @@ from moerules.decision import Rejection
 from moerules.errors import EngineError
 from moerules.engine.compiler import CFG, REJECT, CompiledRule, CompiledRules, Firing
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
-from moerules.engine.ruleset import Rule, RuleSet
+from moerules.engine.ruleset import Rule
 
 @dataclass
 class Evaluation:
@@ -35,39 +34,39 @@ class PhaseRunner:
 
     def screen(self) -> Evaluation:
         """The config, then the rejected components: rejections, eligible components, priority and dispatch rules."""
-        compiled, evaluation = self.compiled, self.evaluation
-        fired = self._run(CFG, self.flat)
-        rejected = {firing.target for rule in fired for firing in rule.rejects}
-        fired += self._run(REJECT, {compiled.flags[name]: 1 for name in rejected})
-        ids: set[str] = set()
-        for rule in fired:
-            ids |= rule.rule_ids
-            evaluation.rejections += self.rejections.of(rule, self.flat)
-            evaluation.eligible.update(rule.eligible)
+        compiled, evaluation, flat = self.compiled, self.evaluation, self.flat
+        fired = self._run(CFG, flat)
+        flags = compiled.flags
+        fired += self._run(REJECT, {flags[name]: 1 for rule in fired for name in rule.rejected})
+        ranked, ids = [], set()
+        for rule in fired:  # ~100 rules at several times today's rule set: only what each carries
+            if rule.rejects:
+                ranked += self.rejections.of(rule, flat)
+            if rule.selects:
+                ids.update(rule.selects)
+            if rule.eligible:
+                evaluation.eligible.update(rule.eligible)
         # Keep rule-file order, never firing order: durable fires matches in no documented order.
         evaluation.priority_rules = [r for r in compiled.ruleset.priorities if r.id in ids]
         evaluation.dispatch_rules = [r for r in compiled.ruleset.dispatch if r.id in ids]
-        evaluation.rejections.sort(key=_REJECTION_ORDER)
+        ranked.sort()
+        evaluation.rejections = [rejection for _, rejection in ranked]
         return evaluation
 
     def plan(self, stage: str, **known) -> list[Rule]:
         """A plan stage: the rules that fired for the chosen backend/dispatcher, in file order."""
         fired = self._run(stage, ChainMap({f"plan.{name}": value for name, value in known.items()}, self.flat))
-        ids = set().union(*(rule.rule_ids for rule in fired))
+        ids = {rule_id for rule in fired for rule_id in rule.selects}
         return [r for r in self.compiled.ruleset.plan if r.id in ids]
 
     def _run(self, tag: str, values: Mapping) -> list[CompiledRule]:
         """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the rules it fired."""
-        compiled, fired = self.compiled, []
-        for shard, reads in enumerate(compiled.reads.get(tag, ())):
-            body = {path: values[path] for path in reads if path in values}
-            fired += [compiled.rules[name] for name in self.session.run(tag, shard, body)]
+        compiled = self.compiled
+        bodies = [{path: values[path] for path in reads if path in values} for reads in compiled.reads.get(tag, ())]
+        fired = [compiled.rules[name] for name in self.session.run(tag, bodies)]
         for rule in fired:
             self.evaluation.fired += rule.trace
         return fired
-
-
-_REJECTION_ORDER = attrgetter("backend", "rule")
 
 
 class Rejections:
@@ -80,14 +79,13 @@ class Rejections:
 
     _SIZE = 1 << 14  # entries kept; past it the table starts over (bounded memory)
 
-    def __init__(self, ruleset: RuleSet):
-        self.ruleset = ruleset
+    def __init__(self, compiled: CompiledRules):
+        self.compiled, self.ruleset = compiled, compiled.ruleset
         self._quotes: dict[str, tuple[str, ...]] = {}
-        self._built: dict[tuple, tuple[Rejection, ...]] = {}
+        self._built: dict[tuple, tuple[tuple[int, Rejection], ...]] = {}
 
-    def of(self, rule: CompiledRule, flat: dict) -> tuple[Rejection, ...]:
-        if not rule.rejects:
-            return ()
+    def of(self, rule: CompiledRule, flat: dict) -> tuple[tuple[int, Rejection], ...]:
+        """The rejections a fired rule records, each with its rank in a decision's list."""
         quotes = self._quotes.get(rule.name)
         if quotes is None:
             quotes = self._quotes[rule.name] = tuple(sorted({name for firing in rule.rejects for name in
@@ -97,7 +95,8 @@ class Rejections:
         if built is None:
             if len(self._built) >= self._SIZE:
                 self._built.clear()
-            built = self._built[key] = tuple(self._build(firing, flat) for firing in rule.rejects)
+            ranks = self.compiled.reject_rank
+            built = self._built[key] = tuple((ranks[f.name], self._build(f, flat)) for f in rule.rejects)
         return built
 
     def _message(self, firing: Firing) -> str:

@@ -63,7 +63,10 @@ class _ReferenceSession:
     def __init__(self, runner: ReferenceRunner):
         self.runner = runner
 
-    def run(self, tag: str, shard: int, body: dict) -> list[str]:
-        """The rules one fact fires; no rule asserts facts, so there is nothing to chain."""
-        fact = {TAG: tag, SHARD: shard, **body}
-        return [name for name, matches in self.runner.by_shard.get((tag, shard), ()) if matches(fact)]
+    def run(self, tag: str, bodies: list[dict]) -> list[str]:
+        """The rules one fact of `tag` per shard fires; no rule asserts facts, so nothing chains."""
+        fired = []
+        for shard, body in enumerate(bodies):
+            fact = {TAG: tag, SHARD: shard, **body}
+            fired += [name for name, matches in self.runner.by_shard.get((tag, shard), ()) if matches(fact)]
+        return fired

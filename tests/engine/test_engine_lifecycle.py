@@ -16,7 +16,7 @@ import pytest
 
 from moerules import MoEConfig
 from moerules.engine import decide as decide_module
-from moerules.engine.decide import decide, engine_for
+from moerules.engine.decide import Engine, decide, engine_for
 from moerules.engine.loader import load_rules
 from moerules.presets import preset
 
@@ -107,3 +107,23 @@ def test_engine_and_rule_set_caches_are_bounded_and_free_durable_rulesets(tmp_pa
     assert len(decide_module._rulesets._items) <= decide_module._rulesets.size
     alive = [ref() is not None for ref in runners]
     assert alive == [False] * (len(runners) - decide_module._engines.size) + [True] * decide_module._engines.size
+
+
+def test_a_dropped_durable_engine_deletes_its_state_then_its_ruleset(monkeypatch):
+    """durable's delete_ruleset leaves each state's frame tables allocated: the state goes first."""
+    pytest.importorskip("durable_rules_engine")
+    from moerules.engine import durable_runner
+    calls, real = [], durable_runner._c
+
+    class Recorder:
+        def __getattr__(self, name):
+            function = getattr(real, name)
+            return lambda *args: (calls.append((name, *args)), function(*args))[1]
+
+    engine = Engine(load_rules(), "durable")
+    engine.decide(CONFIG)
+    handle, sid = engine.runner._handle, engine.runner._sid
+    monkeypatch.setattr(durable_runner, "_c", Recorder())
+    del engine
+    gc.collect()
+    assert calls == [("delete_state", handle, sid), ("delete_ruleset", handle)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from operator import itemgetter
+from typing import Callable, Mapping, Optional
 
 from moerules.config import MoEConfig
 from moerules.decision import Rejection
@@ -81,16 +82,15 @@ class Rejections:
 
     def __init__(self, compiled: CompiledRules):
         self.compiled, self.ruleset = compiled, compiled.ruleset
-        self._quotes: dict[str, tuple[str, ...]] = {}
+        self._quoted: dict[str, Callable[[dict], object]] = {}
         self._built: dict[tuple, tuple[tuple[int, Rejection], ...]] = {}
 
     def of(self, rule: CompiledRule, flat: dict) -> tuple[tuple[int, Rejection], ...]:
         """The rejections a fired rule records, each with its rank in a decision's list."""
-        quotes = self._quotes.get(rule.name)
-        if quotes is None:
-            quotes = self._quotes[rule.name] = tuple(sorted({name for firing in rule.rejects for name in
-                                                             MESSAGE_PLACEHOLDER.findall(self._message(firing))}))
-        key = (rule.name, *(flat.get(name) for name in quotes))
+        quoted = self._quoted.get(rule.name)
+        if quoted is None:
+            quoted = self._quoted[rule.name] = self._quotes(rule)
+        key = (rule.name, quoted(flat))
         built = self._built.get(key)
         if built is None:
             if len(self._built) >= self._SIZE:
@@ -99,8 +99,12 @@ class Rejections:
             built = self._built[key] = tuple((ranks[f.name], self._build(f, flat)) for f in rule.rejects)
         return built
 
-    def _message(self, firing: Firing) -> str:
-        return self.ruleset.rule(firing.rule_id).item.message
+    def _quotes(self, rule: CompiledRule) -> Callable[[dict], object]:
+        """The config values a rule's messages quote ({backend} is the firing's own), as one getter."""
+        names = sorted({name for firing in rule.rejects
+                        for name in MESSAGE_PLACEHOLDER.findall(self.ruleset.rule(firing.rule_id).item.message)}
+                       - {"backend"})
+        return itemgetter(*names) if names else (lambda flat: None)
 
     def _build(self, firing: Firing, flat: dict) -> Rejection:
         values = {**flat, "backend": firing.target}

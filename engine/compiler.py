@@ -27,7 +27,7 @@ Facts, each asserted from outside once the previous ones have quiesced:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Optional, Union
 
@@ -110,10 +110,6 @@ class CompiledRules:
         rejects = sorted((f for rule in rules for f in rule.rejects), key=lambda f: (f.target, f.rule_id))
         self.reject_rank = {firing.name: rank for rank, firing in enumerate(rejects)}
 
-    def firings(self) -> Iterable[Firing]:
-        for rule in self.rules.values():
-            yield from rule.firings
-
     def durable_definition(self) -> str:
         """The ruleset JSON durable's create_ruleset takes (actions are read from the agenda, not run)."""
         return json.dumps({rule.name: {"all": [{"m": rule.condition}]} for rule in self.rules.values()})
@@ -122,7 +118,7 @@ class CompiledRules:
 def compile_rules(ruleset: RuleSet) -> CompiledRules:
     components = list(ruleset.backends) + list(ruleset.dispatchers)
     chunks = [tuple(components[i:i + CHUNK]) for i in range(0, len(components), CHUNK)]
-    conditions: dict[str, list] = {}  # tag -> [(condition, [firings])], identical conditions merged
+    conditions: dict[str, dict] = {}  # tag -> {condition text: (conjuncts, [firings])}: identical ones merge
     _add(conditions, CFG, True, Firing("start", "start", "start", None, None))
     for rule in ruleset.constraints:
         for target, condition in _violations(rule, ruleset):
@@ -133,29 +129,28 @@ def compile_rules(ruleset: RuleSet) -> CompiledRules:
     for rule in ruleset.plan:
         _add(conditions, rule.item.set.stage.value, _plan_condition(rule), Firing(rule.id, rule.id, "plan", None,
                                                                                     rule.source))
-    compiled = [rule for tag, entries in conditions.items() for rule in _shards(tag, entries)]
+    compiled = [rule for tag, entries in conditions.items() for rule in _shards(tag, list(entries.values()))]
     compiled += _eligibility(chunks)
-    compiled = [CompiledRule(f"r{index}", r.tag, r.shard, r.condition, r.firings) for index, r in enumerate(compiled)]
+    compiled = [replace(rule, name=f"r{index}") for index, rule in enumerate(compiled)]
     if len(compiled) > capacity.RULE_SLOTS:
-        raise RuleSetError([RuleFileError(f"the rule set compiles to {len(compiled)} durable rules; durable-rules "
-                                          f"holds {capacity.RULE_SLOTS}", file=ruleset.files[0] if ruleset.files else "",
-                                          hint="merge rules with equal conditions, or split the rule set")])
+        raise _whole_set_error(ruleset, f"the rule set compiles to {len(compiled)} durable rules; durable-rules holds "
+                               f"{capacity.RULE_SLOTS}", "merge rules with equal conditions, or split the rule set")
     result = CompiledRules(ruleset, compiled, chunks)
     widest = max(len(paths) for shards in result.reads.values() for paths in shards)
     if widest + 3 > capacity.FACT_PROPERTIES:  # + sid, t, s
-        raise RuleSetError([RuleFileError(f"a fact would carry {widest + 3} properties; durable-rules holds "
-                                          f"{capacity.FACT_PROPERTIES}", file=ruleset.files[0] if ruleset.files else "")])
+        raise _whole_set_error(ruleset, f"a fact would carry {widest + 3} properties; durable-rules holds "
+                               f"{capacity.FACT_PROPERTIES}", "rules may read fewer config fields")
     return result
 
 
 def _add(conditions: dict, tag: str, condition: Union[Expr, bool], firing: Firing) -> None:
     body = () if condition is True else _conjuncts(_to_json(condition))
-    entries = conditions.setdefault(tag, [])
-    for existing, firings in entries:
-        if existing == body:
-            firings.append(firing)
-            return
-    entries.append((body, [firing]))
+    entry = conditions.setdefault(tag, {}).setdefault(json.dumps(body, sort_keys=True), (body, []))
+    entry[1].append(firing)
+
+
+def _whole_set_error(ruleset: RuleSet, message: str, hint: str) -> RuleSetError:
+    return RuleSetError([RuleFileError(message, file=ruleset.files[0] if ruleset.files else "", hint=hint)])
 
 
 # -- per kind -------------------------------------------------------------------------------

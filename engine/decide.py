@@ -112,8 +112,8 @@ class Assembler:
                                      "expert parallelism never runs without a dispatcher", ReasonCode.no_dispatcher)
         dispatcher = dispatch_rule.item.use
         if dispatcher not in evaluation.eligible:
-            reasons = "; ".join(r.describe() for r in evaluation.rejections if r.backend == dispatcher)
-            first = next(r.reason for r in evaluation.rejections if r.backend == dispatcher)
+            reasons = "; ".join(r.describe() for r in evaluation.rejections_of(dispatcher))
+            first = evaluation.rejections_of(dispatcher)[0].reason
             return self._unsupported(evaluation, f"prepare/finalize {dispatcher} (chosen by {dispatch_rule.id}) "
                                      f"is rejected: {reasons}", first)
         order, _ = effective_order(evaluation.priority_rules)
@@ -122,7 +122,7 @@ class Assembler:
         eligible += sorted(b for b in evaluation.eligible if b in self.ruleset.backends and b not in order)
         winner, selected_by, fallback = self._choose(evaluation, order)
         if winner is None:
-            pinned = [r.reason for r in evaluation.rejections if r.backend == self.requested]
+            pinned = [r.reason for r in evaluation.rejections_of(self.requested)]
             return self._unsupported(evaluation, self._no_backend_message(evaluation, eligible),
                                      pinned[0] if pinned else None, dispatcher)
         return self._selected(evaluation, winner, dispatcher, selected_by, fallback,
@@ -143,15 +143,14 @@ class Assembler:
     def _fallback_rule(self, evaluation: Evaluation, better: list[str]) -> Optional[str]:
         """The rule that made auto mode give up a better-ranked backend, if only fallback rules did."""
         for backend in better:
-            rejections = [r for r in evaluation.rejections if r.backend == backend]
-            rules = [self.ruleset.rule(r.rule) for r in rejections]
+            rules = [self.ruleset.rule(r.rule) for r in evaluation.rejections_of(backend)]
             if rules and all(rule.item.fallback for rule in rules):
                 return rules[0].id
         return None
 
     def _no_backend_message(self, evaluation: Evaluation, eligible: list[str]) -> str:
         if self.requested != "auto":
-            reasons = "; ".join(r.describe() for r in evaluation.rejections if r.backend == self.requested)
+            reasons = "; ".join(r.describe() for r in evaluation.rejections_of(self.requested))
             alternatives = ", ".join(eligible) or "none"
             return (f"requested backend {self.requested!r} is rejected: {reasons}. "
                     f"Eligible alternatives: {alternatives}")

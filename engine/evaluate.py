@@ -14,6 +14,7 @@ from moerules.engine.compiler import CFG, REJECT, CompiledRule, CompiledRules, F
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
 from moerules.engine.ruleset import Rule
 
+
 @dataclass
 class Evaluation:
     """The facts a decision is assembled from."""
@@ -23,6 +24,15 @@ class Evaluation:
     priority_rules: list[Rule] = field(default_factory=list)
     dispatch_rules: list[Rule] = field(default_factory=list)
     fired: list[str] = field(default_factory=list)
+    _by_component: Optional[dict[str, list[Rejection]]] = field(default=None, init=False, repr=False)
+
+    def rejections_of(self, component: str) -> list[Rejection]:
+        """A component's rejections, from a table built on first use (a decision may ask for many)."""
+        if self._by_component is None:
+            self._by_component = {}
+            for rejection in self.rejections:
+                self._by_component.setdefault(rejection.backend, []).append(rejection)
+        return self._by_component.get(component, [])
 
 
 class PhaseRunner:

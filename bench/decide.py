@@ -55,8 +55,10 @@ def main() -> int:
     parser.add_argument("--configs", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--grow", type=int, default=1, help="benchmark a synthetic rule set N times the shipped one")
+    parser.add_argument("--shared", action="store_true", help="grown copies share their originals' conditions")
     args = parser.parse_args()
-    folder = grow(Path(tempfile.mkdtemp(prefix="moerules-grown-")), args.grow) if args.grow > 1 else None
+    folder = (grow(Path(tempfile.mkdtemp(prefix="moerules-grown-")), args.grow, distinct=not args.shared)
+              if args.grow > 1 else None)
     results: dict[str, dict[str, list[float]]] = {e: {"cold": [], "cached": [], "equal": [], "load": []}
                                                   for e in ("durable", "reference")}
     for round_ in range(args.rounds):
@@ -80,7 +82,8 @@ def main() -> int:
         print(f"{label:<28}{row[0]:>14.1f}{row[1]:>14.1f}   {goals[metric]}")
     print(f"{'compile alone (us)':<28}{compile_us:>14.1f}{'':>14}")
     rules = load_rules(folder)
-    print(f"rule set{f' grown {args.grow}x' if folder else ''}: {len(rules.rules())} rules, {len(compile_rules(rules).rules)} compiled, "
+    grown = f" grown {args.grow}x ({'shared' if args.shared else 'distinct'} conditions)" if folder else ""
+    print(f"rule set{grown}: {len(rules.rules())} rules, {len(compile_rules(rules).rules)} compiled, "
           f"{len(rules.backends)} backends, hash {rules.hash[:12]}; {args.configs} configs x {args.rounds} rounds")
     return 0
 

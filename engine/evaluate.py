@@ -68,7 +68,7 @@ class PhaseRunner:
         """A plan stage: the rules that fired for the chosen backend/dispatcher, in file order."""
         fired = self._run(stage, ChainMap({f"plan.{name}": value for name, value in known.items()}, self.flat))
         ids = {rule_id for rule in fired for rule_id in rule.selects}
-        return [r for r in self.compiled.ruleset.plan if r.id in ids]
+        return sorted(map(self.compiled.ruleset.rule, ids), key=self.compiled.ruleset.position)
 
     def _run(self, tag: str, values: Mapping) -> list[CompiledRule]:
         """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the rules it fired."""

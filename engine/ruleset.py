@@ -60,9 +60,17 @@ class RuleSet:
     def rule(self, rule_id: str) -> Rule:
         return self._by_id[rule_id]
 
+    def position(self, rule: Rule) -> int:
+        """Where a rule stands in file order (sections in order, files in name order)."""
+        return self._positions[rule.id]
+
     @cached_property
     def _by_id(self) -> dict[str, Rule]:
         return {rule.id: rule for rule in self.rules()}
+
+    @cached_property
+    def _positions(self) -> dict[str, int]:
+        return {rule.id: index for index, rule in enumerate(self.rules())}
 
     def component(self, name: str) -> Declared:
         return self.backends.get(name) or self.dispatchers[name]

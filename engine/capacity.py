@@ -20,6 +20,10 @@ STACK_SLOTS = 64
 # src/rules/rules.h NEXT_BUCKET_LENGTH: the open-addressing child table of one alpha node.
 # Its lookup loops have no exit when all 512 slots are taken, so 512 children hang.
 CHILD_SLOTS = 511
+# src/rules/rules.h BETA_LIST_LENGTH: rules ending on one alpha node, i.e. rules with one and
+# the same condition; 256 segfaults at the first assert, 257 fails with error 108. The compiler
+# merges rules with identical conditions into one, so at most one rule ends on any node.
+BETA_SLOTS = 255
 # src/rules/rules.h NEXT_LIST_LENGTH: existence tests and `$or` joins hanging off one node;
 # 128 segfaults at the first assert, 129 fails create_ruleset with error 107.
 ABSENCE_SLOTS = 127

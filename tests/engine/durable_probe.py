@@ -22,6 +22,8 @@ def _rules(scenario: str, n: int) -> tuple[dict, dict]:
     if scenario == "absences":  # n existence tests under one node; the fact has every field, so none is pending
         return ({f"r{i}": {"all": [{"m": {"$and": [{"t": "x"}, {"$nex": {f"f{i}": 1}}]}}]} for i in range(n)},
                 {f"f{i}": 1 for i in range(n)})
+    if scenario == "betas":  # n rules with one and the same condition: n beta nodes on one alpha node
+        return {f"r{i}": {"all": [{"m": {"$and": [{"t": "x"}, {"v": 1}]}}]} for i in range(n)}, {"v": 1}
     if scenario == "groups":  # one rule with n and/or groups (one $and holding n-1 $or)
         ors = [{"$or": [{f"a{i}": 1}, {f"b{i}": 1}]} for i in range(n - 1)]
         return {"r": {"all": [{"m": {"$and": [{"t": "x"}, *ors]}}]}}, {f"a{i}": 1 for i in range(n - 1)}

@@ -36,6 +36,7 @@ def probe(scenario: str, n: int, timeout: float = 10) -> str:
     ("stack", capacity.STACK_SLOTS, "error 303"),
     ("children", capacity.CHILD_SLOTS, "hang"),
     ("absences", capacity.ABSENCE_SLOTS, "signal 11"),
+    ("betas", capacity.BETA_SLOTS, "signal 11"),
     ("groups", capacity.EXPRESSION_SLOTS // 2, "error 113"),
     ("properties", capacity.FACT_PROPERTIES, "error 302"),
     ("rules", capacity.RULE_SLOTS, "error 106"),
@@ -111,6 +112,17 @@ def test_a_rule_too_large_for_durable_is_refused_by_name(tmp_path, when, problem
     error, = raised.value.errors
     assert (error.rule, error.file, error.line) == ("extra.c0", f"{folder}/90-extra.yaml", 3)
     assert problem in error.message
+
+
+def test_rules_with_one_condition_share_one_durable_rule(tmp_path):
+    """BETA_SLOTS: more rules than one alpha node can end would crash durable; merged, they cannot."""
+    count = capacity.BETA_SLOTS + 100
+    ruleset = load_rules(rules_with(tmp_path, constraints(["model.hidden_size > 1"] * count)))
+    merged = [rule for rule in Engine(ruleset, "reference").compiled.rules.values()
+              if rule.firings[0].rule_id.startswith("extra.")]
+    assert len(merged) == 1 and len(merged[0].firings) == count
+    decision = decide_in_child(rules_with(tmp_path / "child", constraints(["model.hidden_size > 1"] * count)))
+    assert sum(r["rule"].startswith("extra.") for r in decision["rejections"]) == count
 
 
 def test_shards_are_packed_in_rule_order_within_the_budget(tmp_path):

@@ -40,7 +40,10 @@ from moerules.engine.ruleset import Rule, RuleSet
 
 CFG, REJECT = "cfg", "rej"
 STAGES = ("placement", "quantization")
-TAG, SHARD = "t", "s"  # reserved property names of every fact we assert
+TAG, GROUP, SHARD = "t", "g", "s"  # reserved property names of every fact we assert
+# Each shard is an `s` equality test and each group of shards a `g` test: durable holds 511
+# children per node, so shards come in groups of at most this many (and groups likewise).
+SHARDS_PER_GROUP = capacity.CHILD_SLOTS - 11
 _OPS = {"!=": "$neq", "<": "$lt", "<=": "$lte", ">": "$gt", ">=": "$gte"}
 # Components per `rej` fact: each eligibility test is a `$nex` node that is pushed when it
 # matches, so one fact may carry only as many as a shard's stack budget.
@@ -90,6 +93,10 @@ class CompiledRule:
     def eligible(self) -> tuple[str, ...]:
         return tuple(firing.target for firing in self.firings if firing.kind == "eligible")
 
+    @cached_property
+    def cost(self) -> capacity.Cost:
+        return price_of(tuple(self.condition["$and"][len(head(self.tag, self.shard)):]))
+
 
 class CompiledRules:
     """A compiled rule set: durable rules by name, and the shards of each fact type."""
@@ -104,7 +111,7 @@ class CompiledRules:
         # durable's cost of an assert grows with the properties of the fact.
         reads: dict[str, dict[int, set[str]]] = {}
         for rule in rules:
-            reads.setdefault(rule.tag, {}).setdefault(rule.shard, set()).update(_paths(rule.condition) - {TAG, SHARD})
+            reads.setdefault(rule.tag, {}).setdefault(rule.shard, set()).update(_paths(rule.condition) - set(head(rule.tag, 0)))
         self.reads = {tag: [tuple(sorted(shards[s])) for s in range(len(shards))] for tag, shards in reads.items()}
         # Each reject firing's place in a decision's rejections, which are listed by (component, rule).
         rejects = sorted((f for rule in rules for f in rule.rejects), key=lambda f: (f.target, f.rule_id))
@@ -137,8 +144,8 @@ def compile_rules(ruleset: RuleSet) -> CompiledRules:
                                f"{capacity.RULE_SLOTS}", "merge rules with equal conditions, or split the rule set")
     result = CompiledRules(ruleset, compiled, chunks)
     widest = max(len(paths) for shards in result.reads.values() for paths in shards)
-    if widest + 3 > capacity.FACT_PROPERTIES:  # + sid, t, s
-        raise _whole_set_error(ruleset, f"a fact would carry {widest + 3} properties; durable-rules holds "
+    if widest + 4 > capacity.FACT_PROPERTIES:  # + sid, t, g, s
+        raise _whole_set_error(ruleset, f"a fact would carry {widest + 4} properties; durable-rules holds "
                                f"{capacity.FACT_PROPERTIES}", "rules may read fewer config fields")
     return result
 
@@ -198,7 +205,7 @@ def _shards(tag: str, entries: list) -> list[CompiledRule]:
     """Pack the conditions of one fact type, in rule order, into shards within durable's limits."""
     compiled, shard, spent = [], 0, None
     for body, firings in entries:
-        price = capacity.cost(_tagged(tag, 0, body))
+        price = price_of(body)
         problems = price.excesses()
         if problems:
             raise RuleSetError([_too_big(firings[0], problems)])
@@ -243,7 +250,18 @@ def _compare(left, op: str, right) -> bool:
 
 
 def _tagged(tag: str, shard: int, body: tuple) -> dict:
-    return {"$and": [{TAG: tag}, {SHARD: shard}, *body]}
+    return {"$and": [*({name: value} for name, value in head(tag, shard).items()), *body]}
+
+
+def price_of(body: tuple) -> capacity.Cost:
+    """What a rule's own conjuncts cost; the head tests (tag, group, shard) are shared by the whole
+    shard, and the shard budgets leave room for them."""
+    return capacity.cost({"$and": list(body)}) if body else capacity.Cost(0, 0, 0, 1, 1)
+
+
+def head(tag: str, shard: int) -> dict:
+    """The properties that route a fact to its fact type, group of shards and shard."""
+    return {TAG: tag, GROUP: shard // SHARDS_PER_GROUP, SHARD: shard}
 
 
 def _conjuncts(condition: dict) -> tuple:

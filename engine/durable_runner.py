@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from moerules.errors import EngineError
-from moerules.engine.compiler import SHARD, TAG, CompiledRules
+from moerules.engine.compiler import CompiledRules, head
 
 try:  # The C extension does not import on Python 3.13+ or where it could not be built.
     import durable_rules_engine as _c
@@ -95,7 +95,7 @@ class _DurableSession:
         # pattern, so one firing per name is the logical semantics.
         if not bodies:
             return []
-        array = json.dumps([{"sid": self.sid, TAG: tag, SHARD: shard, **body} for shard, body in enumerate(bodies)])
+        array = json.dumps([{"sid": self.sid, **head(tag, shard), **body} for shard, body in enumerate(bodies)])
         fired: dict[str, None] = {}
         try:
             code, state = _c.assert_facts(self.handle, array)

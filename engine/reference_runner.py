@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from moerules.engine.compiler import SHARD, TAG, CompiledRules
+from moerules.engine.compiler import CompiledRules, head
 
 _COMPARE = {"$neq": lambda a, b: a != b, "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b,
             "$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b}
@@ -67,6 +67,6 @@ class _ReferenceSession:
         """The rules one fact of `tag` per shard fires; no rule asserts facts, so nothing chains."""
         fired = []
         for shard, body in enumerate(bodies):
-            fact = {TAG: tag, SHARD: shard, **body}
+            fact = {**head(tag, shard), **body}
             fired += [name for name, matches in self.runner.by_shard.get((tag, shard), ()) if matches(fact)]
         return fired

@@ -99,7 +99,7 @@ def test_hundreds_of_components_decide(tmp_path):
 
 
 @pytest.mark.parametrize("when, problem", [
-    ("model.hidden_size in [" + ", ".join(str(i) for i in range(600)) + "]", "603 comparisons (durable-rules allows 500)"),
+    ("model.hidden_size in [" + ", ".join(str(i) for i in range(600)) + "]", "601 comparisons (durable-rules allows 500)"),
     (" and ".join(f"(model.hidden_size > {i} or model.top_k > {i})" for i in range(7)),
      "128 paths that can match one config at once (durable-rules allows 64)"),
     (" and ".join(f"(model.hidden_size == {i} or model.top_k == {i})" for i in range(15)),
@@ -125,6 +125,17 @@ def test_rules_with_one_condition_share_one_durable_rule(tmp_path):
     assert sum(r["rule"].startswith("extra.") for r in decision["rejections"]) == count
 
 
+def test_more_shards_than_one_node_holds_are_grouped(tmp_path):
+    """Rules of 31 alternatives fill a shard each: 520 of them need more shard tests than durable's
+    child table holds under one node (CHILD_SLOTS), so shards come in groups."""
+    conditions = [" or ".join(f"model.top_k > {31 * i + j}" for j in range(31)) for i in range(520)]
+    folder = rules_with(tmp_path, constraints(conditions))
+    shards = {rule.shard for rule in Engine(load_rules(folder), "reference").compiled.rules.values() if rule.tag == "cfg"}
+    assert len(shards) > capacity.CHILD_SLOTS
+    decision = decide_in_child(folder)
+    assert [r["rule"] for r in decision["rejections"] if r["rule"].startswith("extra.")] == ["extra.c0"]  # top_k 2 > 0, 1
+
+
 def test_shards_are_packed_in_rule_order_within_the_budget(tmp_path):
     """Each shard fits the budget, and a shard was closed only because its next rule did not fit."""
     ruleset = load_rules(rules_with(tmp_path, constraints([f"model.hidden_size > {i}" for i in range(400)])))
@@ -132,7 +143,7 @@ def test_shards_are_packed_in_rule_order_within_the_budget(tmp_path):
     assert [rule.shard for rule in rules] == sorted(rule.shard for rule in rules)
     spent: dict[int, capacity.Cost] = {}
     for rule in rules:
-        price = capacity.cost(rule.condition)
+        price = rule.cost
         if rule.shard not in spent and rule.shard > 0:
             assert not (spent[rule.shard - 1] + price).fits_shard()
         spent[rule.shard] = spent[rule.shard] + price if rule.shard in spent else price

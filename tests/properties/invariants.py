@@ -8,7 +8,7 @@ from functools import lru_cache
 from moerules.config import MoEConfig
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError
-from moerules.engine.compiler import compile_rules
+from moerules.engine.compiler import compile_rules, head
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
 from moerules.engine.loader import load_rules
@@ -40,7 +40,7 @@ def violated_constraints(config: MoEConfig, target: str) -> list[str]:
     """Rule ids whose reject condition holds for `target`, evaluated directly on the compiled JSON."""
     facts = config.facts()
     return [rule_id for rule_id, shard, predicate in _reject_predicates(target)
-            if predicate({"t": "cfg", "s": shard, **facts})]
+            if predicate({**head("cfg", shard), **facts})]
 
 
 def priority_order(decision: Decision) -> list[str]:

@@ -1,4 +1,4 @@
-"""The durable-rules engine, hardened: the C core driven directly, one fresh sid per decision.
+"""The durable-rules engine, hardened: the C core driven directly, one sid reused by every decision.
 
 What the wrapper guards against (measured in shared/reference/durable-rules.md):
 - `durable.engine.Host` starts two timer threads that race the decision path (error 307,
@@ -66,7 +66,7 @@ class DurableRunner:
         growing with the rule set), retracting five facts costs a few. A decision that fails
         part-way leaves its sid behind, deleted, and the next one starts a fresh sid."""
         with self._lock:
-            session = _DurableSession(self._handle, self._sid)
+            session = _DurableSession(self._handle, self._sid, acted=self._sid in self._live)
             try:
                 yield session
                 session.retract_all()
@@ -80,10 +80,10 @@ class DurableRunner:
 
 
 class _DurableSession:
-    def __init__(self, handle: int, sid: str):
+    def __init__(self, handle: int, sid: str, acted: bool):
         self.handle, self.sid = handle, sid
         self._asserted: list[str] = []
-        self.acted = False
+        self.acted = acted  # an action has run in this sid (now or in an earlier decision)
 
     def run(self, tag: str, bodies: list[dict]) -> list[str]:
         """Assert one fact of `tag` per shard (bodies[i] in shard i) and drain the agenda: the

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from moerules import MoEConfig
+from moerules.errors import EngineError
 from moerules.engine import decide as decide_module
 from moerules.engine.decide import Engine, decide, engine_for
 from moerules.engine.loader import load_rules
@@ -127,3 +128,22 @@ def test_a_dropped_durable_engine_deletes_its_state_then_its_ruleset(monkeypatch
     del engine
     gc.collect()
     assert calls == [("delete_state", handle, sid), ("delete_ruleset", handle)]
+
+
+def test_a_decision_that_fails_part_way_gives_its_sid_up_and_the_next_one_is_right(tmp_path):
+    pytest.importorskip("durable_rules_engine")
+    folder = tmp_path / "rules"
+    shutil.copytree(RULES, folder)
+    (folder / "90-conflict.yaml").write_text(
+        "version: 1\nplan:\n  - id: extra.conflicting_quant\n    when: model.top_k == 3\n"
+        "    set: {quantized_by: experts, dispatch_dtype: input, scale_dim: 0, scale_type_size: 0}\n")
+    ruleset = load_rules(folder)
+    durable, reference = Engine(ruleset, "durable"), Engine(ruleset, "reference")
+    durable.decide(CONFIG)
+    failing = MoEConfig(**{**CONFIG.model_dump(), "model": {**CONFIG.model.model_dump(), "top_k": 3}})
+    first_sid = durable.runner._sid
+    with pytest.raises(EngineError, match="conflicting rules decide the activation quantization"):
+        durable.decide(failing)
+    assert durable.runner._sid != first_sid and first_sid not in durable.runner._live
+    later = MoEConfig(**{**CONFIG.model_dump(), "model": {**CONFIG.model.model_dump(), "top_k": 2}})
+    assert durable.decide(later).model_dump(exclude={"engine"}) == reference.decide(later).model_dump(exclude={"engine"})

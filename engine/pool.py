@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import threading
 from typing import Callable, Optional, Sequence
 
 from moerules.config import MoEConfig
@@ -71,9 +72,22 @@ def _map(task: Task, ruleset: RuleSet, evaluator: str, configs: list, workers: O
 
 
 def _context():
-    """fork where the platform has it (workers inherit the configs); spawn elsewhere."""
+    """fork where it is safe: workers then inherit the configs. Forking a process that runs other
+    threads (torch starts some) can deadlock a worker on a lock held by a thread it did not
+    inherit, and Python 3.12 warns of it; such a process starts its workers from a clean one."""
     methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    if "fork" in methods and _threads() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included (Linux), else the Python ones."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return threading.active_count()
 
 
 def _worker_init(ruleset: RuleSet, evaluator: str, task: Task, configs: list) -> None:

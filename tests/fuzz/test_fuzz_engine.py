@@ -38,8 +38,9 @@ HERE = Path(__file__).parent
 CHILD = HERE / "engine_child.py"
 # A case takes well under a second; one that has not answered in this long is a hang.
 CASE_TIMEOUT_S = 30
-# Cases per child: every durable Engine dropped leaks its sid state (test_dropped_durable_engines_free_their_memory),
-# ~2-5 MB a case here, and the first deep run's children were OOM-killed at 14 GB after ~4,300 cases.
+# Cases per child: a fresh child now and then bounds what a leak could cost. The first deep run's
+# children were OOM-killed at 14 GB after ~4,300 cases, when dropped engines leaked their state
+# (test_dropped_durable_engines_free_their_memory).
 CHILD_CASES = 500
 # The deep profile's 100,000 examples would take hours (a case builds two engines); 10,000 per target.
 FUZZ = settings(max_examples=min(settings.default.max_examples, 10_000),

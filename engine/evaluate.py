@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections import ChainMap
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 from moerules.config import MoEConfig
 from moerules.decision import Rejection
@@ -66,11 +65,11 @@ class PhaseRunner:
 
     def plan(self, stage: str, **known) -> list[Rule]:
         """A plan stage: the rules that fired for the chosen backend/dispatcher, in file order."""
-        fired = self._run(stage, ChainMap({f"plan.{name}": value for name, value in known.items()}, self.flat))
+        fired = self._run(stage, {**self.flat, **{f"plan.{name}": value for name, value in known.items()}})
         ids = {rule_id for rule in fired for rule_id in rule.selects}
         return sorted(map(self.compiled.ruleset.rule, ids), key=self.compiled.ruleset.position)
 
-    def _run(self, tag: str, values: Mapping) -> list[CompiledRule]:
+    def _run(self, tag: str, values: dict) -> list[CompiledRule]:
         """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the rules it fired."""
         compiled = self.compiled
         bodies = [{path: values[path] for path in reads if path in values} for reads in compiled.reads.get(tag, ())]

@@ -294,10 +294,13 @@ class MoEConfig(_Record):
             else:
                 flat[section] = data
         packages = self.platform.packages
-        flat.update((f"platform.packages.{p.value}", p in packages) for p in Package)
+        flat.update((name, package in packages) for name, package in _PACKAGE_FACTS)
         del flat["platform.packages"]
         flat.update(_quant_facts(self.quant))
         return flat
+
+
+_PACKAGE_FACTS = [(f"platform.packages.{package.value}", package) for package in Package]
 
 
 @lru_cache(maxsize=1024)

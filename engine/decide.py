@@ -220,13 +220,18 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _make_runner(compiled: CompiledRules, engine: str):
+def evaluator_name(engine: str) -> str:
+    """The evaluator `engine` ("auto", "durable" or "reference") stands for on this machine."""
     if engine not in ("auto", "durable", "reference"):
         raise ValueError(f"engine={engine!r}: choose auto, durable or reference")
-    if engine == "reference" or (engine == "auto" and durable_runner.IMPORT_ERROR):
-        if engine == "auto":
-            _log_once(f"moerules: durable-rules unavailable ({durable_runner.IMPORT_ERROR}); "
-                      "using the reference evaluator")
+    if engine == "auto" and durable_runner.IMPORT_ERROR:
+        _log_once(f"moerules: durable-rules unavailable ({durable_runner.IMPORT_ERROR}); using the reference evaluator")
+        return "reference"
+    return "durable" if engine == "auto" else engine
+
+
+def _make_runner(compiled: CompiledRules, engine: str):
+    if evaluator_name(engine) == "reference":
         return ReferenceRunner(compiled)
     return durable_runner.DurableRunner(compiled)
 

@@ -10,7 +10,6 @@ deleting it is always safe. A corrupt file is never fatal: it is reported once a
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import json
@@ -39,18 +38,10 @@ def default_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moerules" / "decisions"
 
 
-def _sorted_sets(value):
-    """json.dumps hook: a set's text must not follow its iteration order (the hash seed)."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
 def config_key(config: BaseModel) -> str:
-    """The config's canonical JSON: equal configs, equal text, in any process."""
-    return json.dumps(config.model_dump(), sort_keys=True, separators=(",", ":"), default=_sorted_sets)
+    """The config's JSON: equal configs, equal text, in any process (fields in declaration order,
+    sets serialised sorted by the models themselves)."""
+    return config.model_dump_json()
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,7 +37,7 @@ except Exception as error:  # noqa: BLE001 - any import failure means "use the r
     _c = None
     IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-_RESULT_NOT_HANDLED, _RESULT_OBSERVED = 1, 2
+_RESULT_OBSERVED = 2
 _sids = itertools.count(1)
 _names = itertools.count(1)
 

@@ -16,7 +16,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from moerules.config import MoEConfig
-from moerules.engine.decide import Engine
+from moerules.engine.decide import Engine, evaluator_name
 from moerules.engine.decision_cache import DecisionCache, config_key
 from moerules.engine.progress import Progress
 from moerules.engine.ruleset import RuleSet
@@ -33,7 +33,7 @@ def cpu_count() -> int:
 def evaluate_all(task: Task, ruleset: RuleSet, configs: Sequence[MoEConfig], *, evaluator: str = "auto",
                  cache_root=None, workers: Optional[int] = None, progress: Optional[Progress] = None) -> list[dict]:
     """`task(engine, config)` for every config, in order: cached results first, each distinct miss once."""
-    cache = DecisionCache(cache_root, ruleset.hash, Engine(ruleset, evaluator).name, task.__qualname__)
+    cache = DecisionCache(cache_root, ruleset.hash, evaluator_name(evaluator), task.__qualname__)
     keys = [config_key(c) for c in configs]
     known = cache.get_many(set(keys))
     missing = list({k: c for k, c in zip(keys, configs) if k not in known}.items())

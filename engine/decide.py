@@ -89,9 +89,13 @@ class Engine:
             raise UnknownBackendError(requested, names, suggest(requested, names))
 
     def _evaluate(self, config: MoEConfig) -> Decision:
+        return self.evaluate(config)[0]
+
+    def evaluate(self, config: MoEConfig) -> tuple[Decision, Evaluation]:
+        """One uncached evaluation, with the facts the decision was assembled from (lint reads them)."""
         with self.runner.session() as session:
-            phases = PhaseRunner(self.compiled, session, config, self.rejections)
-            return Assembler(self, config, phases).run()
+            assembler = Assembler(self, config, PhaseRunner(self.compiled, session, config, self.rejections))
+            return assembler.run(), assembler.evaluation
 
 
 class Assembler:

@@ -20,8 +20,8 @@ from moerules.errors import EngineError, RuleSetError
 from moerules.engine import matrix, pool
 from moerules.engine.compiler import compile_rules
 from moerules.decision import ReasonCode
-from moerules.engine.decide import Assembler, Engine
-from moerules.engine.evaluate import PhaseRunner, effective_order
+from moerules.engine.decide import Engine
+from moerules.engine.evaluate import effective_order
 from moerules.engine.loader import load_rules
 from moerules.engine.ruleset import RuleSet
 
@@ -139,13 +139,11 @@ def coverage(ruleset: RuleSet, report: LintReport, configs: Optional[Iterable[Mo
 def coverage_record(engine: Engine, config: MoEConfig) -> dict:
     """What coverage needs of one config (JSON, so the decision cache can keep it): the components it
     can reach, eligible backends its priority list omits, and a coverage hole if any."""
-    with engine.runner.session() as session:
-        assembler = Assembler(engine, config, PhaseRunner(engine.compiled, session, config, engine.rejections))
-        try:
-            decision = assembler.run()
-        except EngineError as error:
-            return {"reachable": [], "omitted": [], "problem": str(error)}
-    evaluation, ruleset = assembler.evaluation, engine.ruleset
+    try:
+        decision, evaluation = engine.evaluate(config)
+    except EngineError as error:
+        return {"reachable": [], "omitted": [], "problem": str(error)}
+    ruleset = engine.ruleset
     # A backend is reachable when eligible; a dispatcher only when a dispatch rule also picks it.
     reachable = evaluation.eligible & (set(ruleset.backends) | {r.item.use for r in evaluation.dispatch_rules})
     order, base = effective_order(evaluation.priority_rules)

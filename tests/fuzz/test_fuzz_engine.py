@@ -149,8 +149,10 @@ def test_rule_sets_at_durable_capacity_edges_load_typed_or_engines_agree(child, 
 # Resident memory now, not ru_maxrss: a child keeps the peak of the pytest process it was forked from.
 LEAK_PROBE = """
 import gc, os
+from moerules import MoEConfig
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
+from moerules.presets import preset
 rss_mb = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
 rules, config = load_rules(), MoEConfig(**preset("mixtral-8x7b"))
 Engine(rules, "durable").decide(config)

@@ -62,6 +62,9 @@ class ModelShape(_Record):
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
     in_dtype: Dtype = Dtype.bf16
     routing: Routing = Routing.softmax_renormalize
+    architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
+                              description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
+                                          "turns some kernels off per model type.")
 
     @model_validator(mode="after")
     def _top_k_within_experts(self) -> "ModelShape":

@@ -1,0 +1,378 @@
+"""vLLM 0.33's own backend selection, run on a `MoEConfig` (the optional `moerules[vllm]` extra).
+
+vLLM's `select_*_moe_backend` functions run unchanged. Only what they ask of the machine is
+stood in, from the config: the platform object (`current_platform`, ROCm's `on_gfx*` arch
+probes), the kernel-package probes (`has_flashinfer_*`, `has_deep_gemm`, `IS_AITER_FOUND` ...)
+and the `VLLM_*` environment switches. vLLM's compiled extensions are never loaded: their module
+names are filled with empty modules before the platform modules import, so that importing a
+platform class cannot reach a GPU driver.
+
+Every config is translated field by field (`_moe_config`); a config whose input vLLM cannot
+express (one of our own dispatchers, a dtype it has no scheme for) is `Inexpressible`, never
+silently approximated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from moerules.config import MoEConfig, Package, Vendor
+from moerules.errors import MoeRulesError
+
+VLLM_VERSION = "0.33.0"
+INSTALL_HINT = (f"pip install 'vllm=={VLLM_VERSION}' --no-deps, then the light packages its oracle imports: "
+                "pip install -r requirements-vllm.txt (see README, 'Conformance with vLLM')")
+# Compiled extensions the platform modules import at module level; never loaded here.
+_COMPILED = ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C", "vllm_xpu_kernels", "vllm_xpu_kernels._C",
+             "vllm_xpu_kernels._moe_C", "vllm_xpu_kernels._xpu_C")
+
+
+class VllmUnavailableError(MoeRulesError):
+    """vLLM (the pinned version) cannot be imported here."""
+
+
+class Inexpressible(Exception):
+    """The config has an input vLLM's selection cannot be given; `str(self)` says which."""
+
+
+@dataclass(frozen=True)
+class OracleAnswer:
+    """What vLLM selected: its backend enum name and experts class, or the error it raised."""
+
+    family: str                      # the select function's family, e.g. "fp8"
+    backend: Optional[str] = None    # e.g. "FLASHINFER_CUTLASS"
+    experts: Optional[str] = None    # experts class name, e.g. "FlashInferExperts"
+    error: Optional[str] = None      # e.g. "NotImplementedError: No FP8 MoE backend supports ..."
+
+    @property
+    def selected(self) -> bool:
+        return self.experts is not None
+
+
+def _import_vllm():
+    for name in _COMPILED:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    try:
+        import vllm
+    except ImportError as error:
+        raise VllmUnavailableError(f"vLLM is not importable ({error}); {INSTALL_HINT}") from None
+    if vllm.__version__ != VLLM_VERSION:
+        raise VllmUnavailableError(f"conformance is pinned to vLLM {VLLM_VERSION}, found {vllm.__version__}; "
+                                   f"{INSTALL_HINT}")
+    return vllm
+
+
+# -- the machine, stood in -------------------------------------------------------------------
+
+# vLLM's package probes, each answered by one package of the config (`platform.packages`).
+_PACKAGE_PROBES: dict[str, Package] = {
+    **{name: Package.flashinfer for name in (
+        "has_flashinfer", "has_flashinfer_moe", "has_flashinfer_trtllm_fused_moe", "has_flashinfer_cutlass_fused_moe",
+        "has_flashinfer_cutedsl", "has_flashinfer_cutedsl_grouped_gemm_nt_masked", "has_flashinfer_cutedsl_moe_nvfp4",
+        "has_flashinfer_b12x_moe", "has_flashinfer_b12x_gemm", "has_flashinfer_nvlink_two_sided",
+        "has_flashinfer_nvlink_one_sided", "has_flashinfer_comm", "has_flashinfer_situ_activation",
+        "is_flashinfer_mxint4_moe_available")},
+    "has_deep_gemm": Package.deep_gemm,
+    "has_triton_kernels": Package.triton_kernels,
+    "has_deep_ep": Package.deep_ep,
+    "has_deep_ep_v2": Package.deep_ep,
+    "has_nixl_ep": Package.nixl_ep,
+    "has_mori": Package.mori,
+    "has_aiter": Package.aiter,
+}
+# Probes of vLLM's own compiled extension (`_custom_ops`): present with the vllm_cutlass package,
+# answering for the architectures a full build compiles (csrc/quantization/cutlass_w8a8/scaled_mm_entry.cu).
+_COMPILED_PROBES: dict[str, Callable[[int], bool]] = {
+    "cutlass_group_gemm_supported": lambda cc: 90 <= cc < 110,
+    "cutlass_scaled_mm_supports_fp8": lambda cc: cc >= 89,
+    "cutlass_scaled_mm_supports_block_fp8": lambda cc: cc >= 90,
+    "cutlass_scaled_mm_supports_fp4": lambda cc: cc >= 100,
+    "mxfp4_experts_quant_supported": lambda cc: cc >= 100,
+}
+
+
+class _Machine:
+    """The stood-in machine: one config's platform, packages and switches at a time."""
+
+    def __init__(self):
+        self.vllm = _import_vllm()
+        self.packages: frozenset[Package] = frozenset()
+        self._platform_key = None
+        self._modules = _import_selection_modules()
+        self._install_probes()
+
+    def _install_probes(self):
+        import vllm._aiter_ops as aiter_ops
+        import vllm._custom_ops as custom_ops
+
+        def probe(package: Package):
+            return lambda *args, **kwargs: package in self.packages
+
+        for module in self._vllm_modules():
+            for name, package in _PACKAGE_PROBES.items():
+                if callable(vars(module).get(name)):
+                    setattr(module, name, probe(package))
+        for name, supported in _COMPILED_PROBES.items():
+            setattr(custom_ops, name, lambda cc, supported=supported: Package.vllm_cutlass in self.packages
+                    and supported(cc))
+        self._aiter_ops = aiter_ops
+
+    @staticmethod
+    def _vllm_modules():
+        return [module for name, module in list(sys.modules.items())
+                if module is not None and (name == "vllm" or name.startswith("vllm."))]
+
+    @contextlib.contextmanager
+    def standing_in(self, config: MoEConfig, switches: dict[str, Optional[str]]):
+        """The machine of `config`, with `switches` as the VLLM_* environment (None: unset), for one selection."""
+        self.packages = config.platform.packages
+        self._aiter_ops.IS_AITER_FOUND = Package.aiter in self.packages
+        saved = {name: os.environ.get(name) for name in switches}
+        _set_environment(switches)
+        self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
+        self._set_platform(config.platform.vendor, config.platform.arch)
+        try:
+            yield
+        finally:
+            _set_environment(saved)
+
+    def _set_platform(self, vendor: Vendor, arch: str):
+        if self._platform_key == (vendor, arch):
+            return
+        platform = _platform(vendor, arch)
+        import vllm.platforms as platforms
+
+        platforms._current_platform = platform
+        for module in self._vllm_modules():
+            if "current_platform" in vars(module):
+                module.current_platform = platform
+        self._platform_key = (vendor, arch)
+
+
+def _import_selection_modules() -> list:
+    """Every oracle, experts and prepare/finalize module, imported while the platform is still
+    vLLM's CPU-less default: module-level code that would call a compiled op runs harmlessly here."""
+    import pkgutil
+
+    names = []
+    for package in ("vllm.model_executor.layers.fused_moe.oracle", "vllm.model_executor.layers.fused_moe.experts",
+                    "vllm.model_executor.layers.fused_moe.prepare_finalize"):
+        module = importlib.import_module(package)
+        names += [f"{package}.{info.name}" for info in pkgutil.iter_modules(module.__path__)]
+    imported = []
+    for name in names:
+        try:
+            imported.append(importlib.import_module(name))
+        except ImportError:     # a dispatcher whose package (deep_ep, mori, nixl_ep) is absent: probed, not run
+            continue
+    return imported
+
+
+def _platform(vendor: Vendor, arch: str):
+    """vLLM's own platform class for `vendor`, answering device queries for `arch`."""
+    from vllm.platforms.interface import CpuArchEnum, DeviceCapability
+
+    if vendor == Vendor.cuda:
+        from vllm.platforms.cuda import CudaPlatformBase
+
+        cc = int(arch[3:])
+        capability = DeviceCapability(major=cc // 10, minor=cc % 10)
+        base, extra = CudaPlatformBase, {}
+    elif vendor == Vendor.rocm:
+        rocm = _rocm_module(arch)
+        capability = DeviceCapability(*rocm._capability_from_gcn_arch(arch))
+        base, extra = rocm.RocmPlatform, {}
+    elif vendor == Vendor.xpu:
+        from vllm.platforms.xpu import XPUPlatform
+
+        base, capability, extra = XPUPlatform, None, {}
+    else:
+        from vllm.platforms.cpu import CpuPlatform
+
+        cpu_arch = {"x86_64": CpuArchEnum.X86, "aarch64": CpuArchEnum.ARM, "ppc64le": CpuArchEnum.POWERPC}.get(
+            arch, CpuArchEnum.OTHER)
+        base, capability = CpuPlatform, None
+        extra = {"get_cpu_architecture": classmethod(lambda cls: cpu_arch)}
+    attributes = {"get_device_capability": classmethod(lambda cls, device_id=0: capability),
+                  "get_device_name": classmethod(lambda cls, device_id=0: f"moerules stand-in {arch}"),
+                  **extra}
+    return type(f"StandIn{base.__name__}", (base,), attributes)()
+
+
+def _rocm_module(arch: str):
+    """vllm.platforms.rocm, (re)loaded so that its arch probes (`on_gfx950()` ...) read `arch`."""
+    import torch
+    from unittest import mock
+
+    properties = types.SimpleNamespace(gcnArchName=arch)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda *args, **kwargs: properties):
+        module = sys.modules.get("vllm.platforms.rocm")
+        return importlib.reload(module) if module else importlib.import_module("vllm.platforms.rocm")
+
+
+# -- the config, translated ------------------------------------------------------------------
+
+# Our vocabulary -> vLLM's, one entry per value; a value absent here has no vLLM counterpart.
+_ACTIVATIONS = {"silu": "SILU", "gelu": "GELU", "gelu_tanh": "GELU_TANH", "swigluoai": "SWIGLUOAI",
+                "swigluoai_uninterleave": "SWIGLUOAI_UNINTERLEAVE", "silu_no_mul": "SILU_NO_MUL",
+                "gelu_no_mul": "GELU_NO_MUL", "relu2_no_mul": "RELU2_NO_MUL"}
+# fused_moe/config.py:135 get_routing_method_type: softmax+renormalize is RenormalizeNaive (Mixtral, Qwen3).
+_ROUTING = {"softmax_renormalize": "RenormalizeNaive", "softmax": "Default", "deepseek_v3": "DeepSeekV3",
+            "sigmoid": "Sigmoid", "llama4": "Llama4"}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# config/parallel.py:45 All2AllBackend; ours over torch.distributed have no vLLM counterpart.
+_ALL2ALL = {"allgather_reducescatter": "allgather_reducescatter", "deepep_high_throughput": "deepep_high_throughput",
+            "deepep_low_latency": "deepep_low_latency", "mori": "mori_high_throughput", "nixl_ep": "nixl_ep",
+            "flashinfer_nvlink": "flashinfer_nvlink_two_sided"}
+
+
+def _parallel_config(config: MoEConfig):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    parallel = config.parallel
+    if parallel.use_all2all and parallel.all2all_backend.value not in _ALL2ALL:
+        raise Inexpressible(f"parallel.all2all_backend={parallel.all2all_backend.value} is ours; vLLM has no such "
+                            "dispatcher")
+    # FusedMoEParallelConfig.make (fused_moe/config.py): TP flattened over DP; under EP, ep = that and tp = 1.
+    flat = parallel.tp * parallel.dp
+    return FusedMoEParallelConfig(
+        tp_size=1 if parallel.use_ep else flat, pcp_size=1, dp_size=parallel.dp, ep_size=parallel.ep_size,
+        tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=0, sp_size=1, use_ep=parallel.use_ep,
+        all2all_backend=_ALL2ALL.get(parallel.all2all_backend.value, "allgather_reducescatter"),
+        enable_eplb=parallel.eplb)
+
+
+def _moe_config(config: MoEConfig, moe_backend: str):
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, RoutingMethodType
+
+    model = config.model
+    ep = config.parallel.ep_size
+    return FusedMoEConfig(
+        num_experts=model.num_experts, experts_per_token=model.top_k, hidden_dim=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_local_experts=model.num_experts // ep,
+        num_logical_experts=model.num_experts, activation=MoEActivation[_ACTIVATIONS[model.activation.value]],
+        device="cpu" if config.platform.vendor == Vendor.cpu else "cuda",
+        routing_method=RoutingMethodType[_ROUTING[model.routing.value]],
+        moe_parallel_config=_parallel_config(config), in_dtype=getattr(torch, _DTYPES[model.in_dtype.value]),
+        moe_backend=moe_backend, has_bias=model.has_bias, is_lora_enabled=config.features.lora)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _keys():
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    return quant_utils
+
+
+def _fp8_keys(quant, native: bool, batch_invariant: bool):
+    """fp8.py:480 (native checkpoints: per-tensor or block weights) and compressed_tensors_moe_w8a8_fp8.py:100."""
+    k = _keys()
+    weight = {"tensor": k.kFp8StaticTensorSym, "channel": k.kFp8StaticChannelSym,
+              "block128": k.kFp8Static128BlockSym}[quant.weight_key.granularity.value]
+    activation_key = quant.activation_key
+    if activation_key is None:
+        return weight, None
+    granularity = activation_key.granularity.value
+    if granularity == "group128":
+        return weight, k.kFp8Dynamic128Sym
+    if granularity == "token":
+        return weight, k.kFp8DynamicTokenSym
+    if not activation_key.dynamic:
+        return weight, k.kFp8StaticTensorSym
+    # fp8.py:509: under batch invariance a per-tensor dynamic scale becomes per-token.
+    return weight, k.kFp8DynamicTokenSym if (native and batch_invariant) else k.kFp8DynamicTensorSym
+
+
+def _selection(config: MoEConfig, moe: object) -> tuple[str, Callable[[], tuple]]:
+    """The select function vLLM's quantisation method for this scheme calls, with its arguments."""
+    from vllm.model_executor.layers.fused_moe.oracle import (fp8, int8, int_wna16, mxfp4, mxfp8, nvfp4,
+                                                              unquantized, w4a8)
+
+    k = _keys()
+    quant = config.quant
+    family = quant.family.value
+    if family == "unquantized":
+        return "unquantized", lambda: unquantized.select_unquantized_moe_backend(moe)
+    if family in ("fp8_w8a8", "fp8_w8a16"):
+        native = quant.weight_key.granularity.value != "channel"
+        weight, activation = _fp8_keys(quant, native, config.features.batch_invariant)
+        return "fp8", lambda: fp8.select_fp8_moe_backend(moe, weight, activation, allow_vllm_cutlass=not native)
+    if family == "int8_w8a8":
+        return "int8", lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, k.kInt8DynamicTokenSym)
+    if family == "int8_w8a16":
+        return "int8", lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, None)
+    if family == "mxfp8":
+        return "mxfp8", lambda: mxfp8.select_mxfp8_moe_backend(moe)
+    if family == "mxfp4_w4a16":
+        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe)
+    if family == "mxfp4_w4a4":
+        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp4Dynamic)
+    if family == "mxfp4_w4a8":
+        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp8Dynamic)
+    if family == "nvfp4":
+        return "nvfp4", lambda: nvfp4.select_nvfp4_moe_backend(moe, k.kNvfp4Static, k.kNvfp4Dynamic)
+    if family == "w4a8":
+        return "w4a8", lambda: w4a8.select_w4a8_moe_backend(moe)
+    if family == "wna16":
+        return "wna16", lambda: int_wna16.select_wna16_moe_backend(
+            moe, k.kInt4Static, quant_config=None, may_have_zp=False, may_have_bias=config.model.has_bias)
+    raise Inexpressible(f"quant.family={family} has no vLLM select function")
+
+
+def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
+    """The VLLM_* environment vLLM's selection reads; unset where the config keeps vLLM's default."""
+    return {"VLLM_BATCH_INVARIANT": "1" if config.features.batch_invariant else None}
+
+
+class VllmOracle:
+    """vLLM 0.33's selection, callable per config; building it imports vLLM once (~seconds)."""
+
+    def __init__(self):
+        self._machine = _Machine()
+
+    def select(self, config: MoEConfig, moe_backend: str = "auto") -> OracleAnswer:
+        """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
+        switches = _switches(config)
+        with self._machine.standing_in(config, switches), _vllm_config_context(config):
+            moe = _moe_config(config, moe_backend)
+            family, select = _selection(config, moe)
+            try:
+                backend, experts = select()
+            except Exception as error:    # vLLM's own refusal (ValueError, NotImplementedError, assert)
+                return OracleAnswer(family, error=f"{type(error).__name__}: {error}")
+        return OracleAnswer(family, backend=backend.name, experts=experts.__name__ if experts else None)
+
+
+@contextlib.contextmanager
+def _vllm_config_context(config: MoEConfig):
+    """vLLM's current config, holding only what selection reads of it: the model type
+    (`should_auto_disable_deep_gemm`) and no user quantisation override (mxfp4.py:487)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    if not _VLLM_CONFIG:
+        _VLLM_CONFIG.append(VllmConfig())
+    vllm_config = _VLLM_CONFIG[0]
+    architecture = config.model.architecture
+    hf_config = types.SimpleNamespace(model_type=None if architecture == "unknown" else architecture)
+    vllm_config.model_config = types.SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config,
+                                                     quantization_config=None)
+    with set_current_vllm_config(vllm_config):
+        yield
+
+
+_VLLM_CONFIG: list = []

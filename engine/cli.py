@@ -96,8 +96,9 @@ def build_config(args) -> MoEConfig:
                          f"(presets: {', '.join(sorted(PRESETS))})")
     data = _merge(data, _flags_to_sections(args))
     if args.detect:
-        from moerules.engine.detect import detect
+        from moerules.engine.detect import detect, detect_switches
         data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm"})
+        data["switches"] = detect_switches().model_dump()
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as error:
@@ -280,6 +281,46 @@ def cmd_mutate(args) -> int:
     return UNSUPPORTED if survivors else OK
 
 
+def cmd_conformance(args) -> int:
+    from moerules.engine import conformance, matrix
+    from moerules.engine.loader import load_rules
+    from moerules.engine.vllm_oracle import VLLM_VERSION, VllmOracle
+    ruleset = load_rules(args.rules)
+    out = Path(args.out)
+    committed = out / "conformance.csv"
+    cells = list(matrix.cells(ruleset.backends)) + list(matrix.random_cells(args.random, args.seed))
+    if args.check:
+        if not committed.is_file():
+            raise InputError(f"{committed}: no committed conformance report; run `moerules conformance` and commit it")
+        cells = conformance.sample(cells, args.sample)
+    if not args.quiet:
+        print(f"moerules: importing vLLM {VLLM_VERSION}, then comparing {len(cells)} configs...", file=sys.stderr)
+    checker = conformance.Conformance(ruleset, VllmOracle())
+    with _progress(args, len(cells), "conformance") as bar:
+        rows = conformance.compare_all(checker, cells, bar)
+    if args.check:
+        return _check_conformance(conformance.from_csv(committed.read_text(encoding="utf-8")), rows, args.limit)
+    out.mkdir(parents=True, exist_ok=True)
+    committed.write_text(conformance.to_csv(rows), encoding="utf-8")
+    report = out / "conformance.md"
+    report.write_text(conformance.report_markdown(conformance.Summary(rows), ruleset.hash, VLLM_VERSION),
+                      encoding="utf-8")
+    print(report.read_text(encoding="utf-8").split("\n## ")[0])
+    print(f"wrote {committed} and {report}")
+    return OK
+
+
+def _check_conformance(committed: dict, rows: list, limit: int) -> int:
+    changed = [(committed.get(row.cell), row) for row in rows if committed.get(row.cell) != row]
+    for old, new in changed[:limit]:
+        was = f"{old.ours} vs vLLM {old.theirs} ({old.verdict})" if old else "absent"
+        print(f"{new.cell}: was {was}, now {new.ours} vs vLLM {new.theirs} ({new.verdict}) {new.rules}")
+    print(f"{len(changed)} of {len(rows)} sampled configs differ from the committed conformance report")
+    if changed:
+        print("the rules or vLLM's selection changed; if intended, run `moerules conformance` and commit reports/")
+    return INVALID if changed else OK
+
+
 # -- argument parsing -----------------------------------------------------------------------
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
@@ -289,7 +330,7 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-granularity", help="tensor, token or group128")
     parser.add_argument("--platform", help="VENDOR[:ARCH], e.g. cuda:sm_90, rocm:gfx950, cpu:x86_64")
     parser.add_argument("--packages", help="comma-separated kernel packages present, e.g. triton,aiter")
-    parser.add_argument("--detect", action="store_true", help="take the platform from this machine")
+    parser.add_argument("--detect", action="store_true", help="take the platform and vLLM's VLLM_* switches from this machine")
     parser.add_argument("--tp", type=int, help="tensor-parallel size")
     parser.add_argument("--dp", type=int, help="data-parallel size")
     parser.add_argument("--ep", action="store_true", help="enable expert parallelism")
@@ -377,6 +418,21 @@ def make_parser() -> argparse.ArgumentParser:
     mutate.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
     mutate.add_argument("--json", action="store_true")
     mutate.set_defaults(func=cmd_mutate)
+    conform = commands.add_parser(
+        "conformance", help="compare decisions with vLLM 0.33's own selection (needs moerules[vllm])",
+        description="run vLLM 0.33's select_*_moe_backend functions (platform and package probes stood in) and "
+                    "decide over the matrix and random configs; report agreement, every disagreement by "
+                    "responsible rule, and every named deviation")
+    _rules_option(conform)
+    conform.add_argument("--out", default="reports", help="folder for conformance.csv and conformance.md (default reports/)")
+    conform.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
+    conform.add_argument("--seed", type=int, default=0)
+    conform.add_argument("--check", action="store_true",
+                         help="re-check a sample against the committed report; exit 2 listing each changed config")
+    conform.add_argument("--sample", type=int, default=3000, help="configs --check re-runs (default 3000)")
+    conform.add_argument("--limit", type=int, default=50, help="changed configs to print (default 50)")
+    conform.add_argument("--quiet", action="store_true", help="no progress line")
+    conform.set_defaults(func=cmd_conformance)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               description="decide, build the layer with seeded weights, run one forward pass")
     _config_arguments(run)

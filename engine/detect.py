@@ -1,19 +1,36 @@
-"""Probe the current machine once into a `Platform` (rules never read the environment)."""
+"""Probe the current machine once into a `Platform` and vLLM's switches (rules never read the environment)."""
 
 from __future__ import annotations
 
 import importlib.util
 import platform as _host
 
-from moerules.config import Package, Platform, Vendor
+import os
+
+from moerules.config import Package, Platform, Switch, Switches, Vendor
 
 # Which importable module proves a kernel package is present.
 _PROBES = {
     Package.triton: "triton", Package.aiter: "aiter", Package.flashinfer: "flashinfer",
     Package.deep_gemm: "deep_gemm", Package.vllm_cutlass: "vllm", Package.marlin: "vllm",
     Package.triton_kernels: "triton_kernels", Package.deep_ep: "deep_ep", Package.mori: "mori",
-    Package.nixl_ep: "nixl_ep", Package.xpu_kernels: "vllm_xpu_kernels",
+    Package.nixl_ep: "nixl_ep", Package.xpu_kernels: "vllm_xpu_kernels", Package.humming: "humming",
+    Package.moonep: "moonep", Package.vllm: "vllm", Package.b12x: "b12x", Package.hpc: "hpc",
+    Package.zentorch: "zentorch_op", Package.vllm_cpu: "vllm._C",
 }
+# The environment variables behind each switch (vLLM reads either DeepGEMM variable).
+_SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_moe": ("VLLM_ROCM_USE_AITER_MOE",),
+                     "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
+
+
+def detect_switches(environ=os.environ) -> Switches:
+    """vLLM's switches as this process's environment sets them (vllm/envs.py parses "1"/"true" as on)."""
+    values = {}
+    for field, variables in _SWITCH_VARIABLES.items():
+        given = [environ[name].strip().lower() for name in variables if name in environ]
+        if given:
+            values[field] = Switch.on if all(value in ("1", "true") for value in given) else Switch.off
+    return Switches(**values)
 
 
 def _present(module: str) -> bool:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from moerules.config import MoEConfig, Package
 from moerules.decision import ActivationFormat
-from moerules.quant import Granularity, QuantDtype, QuantFamily, ScaleDtype
+from moerules.quant import Checkpoint, Granularity, QuantDtype, QuantFamily, ScaleDtype
 from moerules.engine.expr import FieldSpec
 
 # The pin is the engine's business: a rule that read it could quietly override the policy
@@ -49,6 +49,7 @@ def _walk(model: type[BaseModel], prefix: str) -> Iterable[FieldSpec]:
 
 def _quant_fields() -> Iterable[FieldSpec]:
     yield _spec("quant.family", QuantFamily)
+    yield _spec("quant.checkpoint", Checkpoint)
     for operand in ("weight", "activation"):
         base = f"quant.{operand}"
         yield FieldSpec(f"{base}.quantized", "bool")

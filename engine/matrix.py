@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
 from moerules.activation import Activation
-from moerules.config import All2AllBackend, MoEConfig, Package, Routing
+from moerules.config import VLLM_INSTALL, All2AllBackend, MoEConfig, Package, Routing, Switch, Switches
 from moerules.quant import QuantFamily
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
@@ -26,9 +26,9 @@ from moerules.engine.ruleset import RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
              ("cuda", "sm_100"), ("cuda", "sm_110"), ("cuda", "sm_120"), ("rocm", "gfx942"), ("rocm", "gfx950"),
-             ("rocm", "gfx1200"), ("xpu", "xe_hpc"), ("cpu", "x86_64")]
+             ("rocm", "gfx1100"), ("rocm", "gfx1201"), ("xpu", "xe_hpc"), ("cpu", "x86_64")]
 QUANTS = [{"family": f.value} for f in QuantFamily] + [
-    {"family": "fp8_w8a8", "weight_granularity": "channel"},
+    {"family": "fp8_w8a8", "weight_granularity": "channel", "checkpoint": "compressed_tensors"},
     {"family": "fp8_w8a8", "weight_granularity": "block128"},
     {"family": "fp8_w8a16", "weight_granularity": "block128"},
 ]
@@ -40,8 +40,8 @@ PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 
              "a2a_deepep_ll": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
              "a2a_mori": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
              "a2a_deepep_ht": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_high_throughput"}}
-# Every package, Triton alone, and a bare torch install (no kernel package: only torch backends remain).
-PACKAGES = {"all": [p.value for p in Package], "triton": ["triton"], "none": []}
+# Every package; what `pip install vllm` brings (on CUDA); Triton alone. (A bare torch install is a variation.)
+PACKAGES = {"all": [p.value for p in Package], "vllm": sorted(p.value for p in VLLM_INSTALL), "triton": ["triton"]}
 COLUMNS = ["cell", "outcome", "backend", "alternatives", "prepare_finalize", "selected_by", "fallback_rule", "quantized_by",
            "expects_unquantized_inputs", "dispatch_dtype", "scale_dim", "weight_block", "hidden_pad",
            "intermediate_pad", "expert_placement", "failure_reason", "rules"]
@@ -80,6 +80,18 @@ VARIATIONS: dict[str, dict] = {
     **{f"a2a={b.value}+triton_only": {"parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": b.value},
                                       "platform": {"packages": ["triton"]}} for b in All2AllBackend},
     **{f"without={p.value}": {"platform": {"packages": [q.value for q in Package if q != p]}} for p in Package},
+    "pkg=none": {"platform": {"packages": []}},
+    **{f"router_logits={d}": {"model": {"router_logits_dtype": d}} for d in ("bf16", "fp32")},
+    **{f"switch={name}={value.value}": {"switches": {name: value.value}}
+       for name in Switches.model_fields for value in Switch if value != Switch.unset},
+    **{f"checkpoint={c}": {"quant": {"checkpoint": c}} for c in ("compressed_tensors", "quark")},
+    "checkpoint=modelopt": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False}},
+    "static_activation_scales": {"quant": {"activation_dynamic": False}},
+    **{f"arch={a}": {"model": {"architecture": a}} for a in ("qwen3_5_moe_text", "gpt_oss", "deepseek_v3")},
+    # Each alignment boundary a rule tests, on hidden and on the per-partition intermediate separately:
+    # a multiple of 128 but not 256, of 64 but not 128, of 32 but not 64.
+    **{f"hidden={h}": {"model": {"hidden_size": h}} for h in (2176, 2112, 2080)},
+    **{f"intermediate={i}": {"model": {"intermediate_size": i}} for i in (2176, 2112, 2080)},
     "a2a=deepep_low_latency+without=triton": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},
@@ -91,12 +103,12 @@ def _cell(platform, quant, parallel, lora, align, activation, packages, pin, var
     key = "|".join([f"{vendor}:{arch}", _quant_name(quant), parallel, "lora" if lora else "-", align, activation,
                     f"pkg={packages}", f"pin={pin}"] + ([variation] if variation else []))
     sections = {"model": dict(num_experts=16, top_k=2, activation=activation, **ALIGNMENTS[align]),
-                "parallel": dict(PARALLELS[parallel]),
+                "quant": dict(quant), "parallel": dict(PARALLELS[parallel]),
                 "platform": {"vendor": vendor, "arch": arch, "packages": PACKAGES[packages]},
-                "features": {"lora": lora, "backend": pin}}
+                "features": {"lora": lora, "backend": pin}, "switches": {}}
     for section, values in VARIATIONS.get(variation, {}).items():
         sections[section] = {**sections[section], **values}
-    return Cell(key, MoEConfig(quant=quant, **sections))
+    return Cell(key, MoEConfig(**sections))
 
 
 def cells(backends: Iterable[str]) -> Iterator[Cell]:

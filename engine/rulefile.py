@@ -20,6 +20,9 @@ _ID = r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"
 # `{field.path}` in a constraint message is filled in from the config (or `{backend}`).
 MESSAGE_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)\}")
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+DEVIATION = Field(None, min_length=1, description=(
+    "Why this rule decides differently from vLLM 0.33 on purpose, with the upstream file:line or issue that "
+    "shows vLLM's bug; conformance counts the configs it accounts for."))
 
 
 class _Component(BaseModel):
@@ -33,6 +36,10 @@ class _Component(BaseModel):
     requires: list[Package] = Field([], description="Packages our own kernel needs (e.g. triton).")
     format: ActivationFormat = ActivationFormat.standard
     description: str = ""
+    upstream: list[str] = Field([], description=(
+        "vLLM 0.33 experts (or prepare/finalize) classes this component stands for: `moerules conformance` "
+        "names vLLM's choice by them. Each class belongs to one component."))
+    cite: Optional[str] = Field(None, description="The upstream source this component models (file:line).")
 
     @property
     def packages(self) -> list[Package]:
@@ -48,6 +55,9 @@ class _Component(BaseModel):
 
 class Backend(_Component):
     """An experts backend and its static capabilities (the `backend.*` fields of conditions)."""
+
+    vllm_backend: Optional[str] = Field(None, pattern=r"^[a-z0-9_]+$", description=(
+        "vLLM's `moe_backend` value that pins this backend there; conformance pins both sides with it."))
 
     monolithic: bool = False
     lora: bool = False
@@ -76,6 +86,7 @@ class Constraint(BaseModel):
     message: str = Field(min_length=1, description="Detail for the rejection; {field.path} placeholders are filled in.")
     fallback: bool = Field(False, description="Losing a better-ranked backend to this rule is a recorded degradation.")
     cite: Optional[str] = None
+    deviation: Optional[str] = DEVIATION
 
 
 class Priority(BaseModel):
@@ -89,6 +100,7 @@ class Priority(BaseModel):
     demote: Optional[list[str]] = None
     promote: Optional[list[str]] = None
     cite: Optional[str] = None
+    deviation: Optional[str] = DEVIATION
 
     @model_validator(mode="after")
     def _one_action(self):

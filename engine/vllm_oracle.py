@@ -56,6 +56,8 @@ class OracleAnswer:
 
 
 def _import_vllm():
+    # vLLM logs each backend choice and fallback once per process: noise in a sweep of thousands.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for name in _COMPILED:
         sys.modules.setdefault(name, types.ModuleType(name))
     try:
@@ -85,6 +87,8 @@ _PACKAGE_PROBES: dict[str, Package] = {
     "has_nixl_ep": Package.nixl_ep,
     "has_mori": Package.mori,
     "has_aiter": Package.aiter,
+    "has_humming": Package.humming,
+    "has_moonep": Package.moonep,
 }
 # Probes of vLLM's own compiled extension (`_custom_ops`): present with the vllm_cutlass package,
 # answering for the architectures a full build compiles (csrc/quantization/cutlass_w8a8/scaled_mm_entry.cu).
@@ -223,13 +227,15 @@ _ACTIVATIONS = {"silu": "SILU", "gelu": "GELU", "gelu_tanh": "GELU_TANH", "swigl
                 "swigluoai_uninterleave": "SWIGLUOAI_UNINTERLEAVE", "silu_no_mul": "SILU_NO_MUL",
                 "gelu_no_mul": "GELU_NO_MUL", "relu2_no_mul": "RELU2_NO_MUL"}
 # fused_moe/config.py:135 get_routing_method_type: softmax+renormalize is RenormalizeNaive (Mixtral, Qwen3).
-_ROUTING = {"softmax_renormalize": "RenormalizeNaive", "softmax": "Default", "deepseek_v3": "DeepSeekV3",
-            "sigmoid": "Sigmoid", "llama4": "Llama4"}
+_ROUTING = {"softmax_renormalize": "RenormalizeNaive", "renormalize": "Renormalize", "softmax": "Default",
+            "deepseek_v3": "DeepSeekV3", "minimax2": "MiniMax2", "sigmoid": "Sigmoid",
+            "sigmoid_renormalize": "SigmoidRenorm", "llama4": "Llama4"}
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # config/parallel.py:45 All2AllBackend; ours over torch.distributed have no vLLM counterpart.
 _ALL2ALL = {"allgather_reducescatter": "allgather_reducescatter", "deepep_high_throughput": "deepep_high_throughput",
-            "deepep_low_latency": "deepep_low_latency", "mori": "mori_high_throughput", "nixl_ep": "nixl_ep",
-            "flashinfer_nvlink": "flashinfer_nvlink_two_sided"}
+            "deepep_low_latency": "deepep_low_latency", "deepep_v2": "deepep_v2", "mori": "mori_high_throughput",
+            "nixl_ep": "nixl_ep", "moonep": "moonep", "flashinfer_nvlink": "flashinfer_nvlink_two_sided",
+            "flashinfer_nvlink_one_sided": "flashinfer_nvlink_one_sided"}
 
 
 def _parallel_config(config: MoEConfig):
@@ -279,26 +285,49 @@ def _keys():
     return quant_utils
 
 
-def _fp8_keys(quant, native: bool, batch_invariant: bool):
-    """fp8.py:480 (native checkpoints: per-tensor or block weights) and compressed_tensors_moe_w8a8_fp8.py:100."""
+def _fp8_keys(config: MoEConfig):
+    """The FP8 keys and `allow_vllm_cutlass` the checkpoint's quantisation method passes:
+    fp8.py:493-527 (native), modelopt.py:501, compressed_tensors_moe_w8a8_fp8.py:94-111, quark_moe.py:628-669."""
     k = _keys()
+    quant, checkpoint = config.quant, config.quant.checkpoint.value
+    weight_granularity = quant.weight_key.granularity.value
     weight = {"tensor": k.kFp8StaticTensorSym, "channel": k.kFp8StaticChannelSym,
-              "block128": k.kFp8Static128BlockSym}[quant.weight_key.granularity.value]
-    activation_key = quant.activation_key
-    if activation_key is None:
-        return weight, None
-    granularity = activation_key.granularity.value
+              "block128": k.kFp8Static128BlockSym}[weight_granularity]
+    activation = quant.activation_key
+    if activation is None:
+        return weight, None, checkpoint == "compressed_tensors"
+    granularity, dynamic = activation.granularity.value, activation.dynamic
+    if checkpoint == "modelopt" and (weight_granularity != "tensor" or dynamic):
+        raise Inexpressible("modelopt FP8 checkpoints have per-tensor weights and static activation scales")
+    if checkpoint == "native" and weight_granularity == "channel":
+        raise Inexpressible("native fp8 checkpoints have per-tensor or block weights (per-channel needs "
+                            "quant.checkpoint=compressed_tensors or quark)")
     if granularity == "group128":
-        return weight, k.kFp8Dynamic128Sym
-    if granularity == "token":
-        return weight, k.kFp8DynamicTokenSym
-    if not activation_key.dynamic:
-        return weight, k.kFp8StaticTensorSym
-    # fp8.py:509: under batch invariance a per-tensor dynamic scale becomes per-token.
-    return weight, k.kFp8DynamicTokenSym if (native and batch_invariant) else k.kFp8DynamicTensorSym
+        act = k.kFp8Dynamic128Sym
+    elif granularity == "token":
+        act = k.kFp8DynamicTokenSym
+    elif not dynamic:
+        act = k.kFp8StaticTensorSym
+    elif checkpoint == "compressed_tensors":
+        act = k.kFp8Dynamic128Sym     # compressed_tensors_moe_w8a8_fp8.py:94-97 maps dynamic per-tensor to 1x128
+    elif checkpoint == "native" and config.features.batch_invariant:
+        act = k.kFp8DynamicTokenSym   # fp8.py:509: a per-tensor dynamic scale would depend on the batch
+    else:
+        act = k.kFp8DynamicTensorSym
+    return weight, act, checkpoint == "compressed_tensors"
 
 
-def _selection(config: MoEConfig, moe: object) -> tuple[str, Callable[[], tuple]]:
+_FAMILIES = {"fp8_w8a8": "fp8", "fp8_w8a16": "fp8", "int8_w8a8": "int8", "int8_w8a16": "int8",
+             "mxfp4_w4a16": "mxfp4", "mxfp4_w4a4": "mxfp4", "mxfp4_w4a8": "mxfp4"}
+
+
+def _family(config: MoEConfig) -> str:
+    """vLLM's select-function family for the config's scheme."""
+    family = config.quant.family.value
+    return _FAMILIES.get(family, family)
+
+
+def _selection(config: MoEConfig, moe: object) -> Callable[[], tuple]:
     """The select function vLLM's quantisation method for this scheme calls, with its arguments."""
     from vllm.model_executor.layers.fused_moe.oracle import (fp8, int8, int_wna16, mxfp4, mxfp8, nvfp4,
                                                               unquantized, w4a8)
@@ -307,36 +336,54 @@ def _selection(config: MoEConfig, moe: object) -> tuple[str, Callable[[], tuple]
     quant = config.quant
     family = quant.family.value
     if family == "unquantized":
-        return "unquantized", lambda: unquantized.select_unquantized_moe_backend(moe)
+        return lambda: unquantized.select_unquantized_moe_backend(moe)
     if family in ("fp8_w8a8", "fp8_w8a16"):
-        native = quant.weight_key.granularity.value != "channel"
-        weight, activation = _fp8_keys(quant, native, config.features.batch_invariant)
-        return "fp8", lambda: fp8.select_fp8_moe_backend(moe, weight, activation, allow_vllm_cutlass=not native)
+        weight, activation, allow_cutlass = _fp8_keys(config)
+        return lambda: fp8.select_fp8_moe_backend(moe, weight, activation, allow_vllm_cutlass=allow_cutlass)
     if family == "int8_w8a8":
-        return "int8", lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, k.kInt8DynamicTokenSym)
+        return lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, k.kInt8DynamicTokenSym)
     if family == "int8_w8a16":
-        return "int8", lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, None)
+        return lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, None)
     if family == "mxfp8":
-        return "mxfp8", lambda: mxfp8.select_mxfp8_moe_backend(moe)
+        return lambda: mxfp8.select_mxfp8_moe_backend(moe)
     if family == "mxfp4_w4a16":
-        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe)
+        return lambda: mxfp4.select_mxfp4_moe_backend(moe)
     if family == "mxfp4_w4a4":
-        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp4Dynamic)
+        return lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp4Dynamic)
     if family == "mxfp4_w4a8":
-        return "mxfp4", lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp8Dynamic)
+        return lambda: mxfp4.select_mxfp4_moe_backend(moe, activation_key=k.kMxfp8Dynamic)
     if family == "nvfp4":
-        return "nvfp4", lambda: nvfp4.select_nvfp4_moe_backend(moe, k.kNvfp4Static, k.kNvfp4Dynamic)
+        return lambda: nvfp4.select_nvfp4_moe_backend(moe, k.kNvfp4Static, k.kNvfp4Dynamic)
     if family == "w4a8":
-        return "w4a8", lambda: w4a8.select_w4a8_moe_backend(moe)
+        return lambda: w4a8.select_w4a8_moe_backend(moe)
     if family == "wna16":
-        return "wna16", lambda: int_wna16.select_wna16_moe_backend(
+        return lambda: int_wna16.select_wna16_moe_backend(
             moe, k.kInt4Static, quant_config=None, may_have_zp=False, may_have_bias=config.model.has_bias)
     raise Inexpressible(f"quant.family={family} has no vLLM select function")
 
 
+# Our switch fields -> the VLLM_* variables vLLM reads for them (vllm/envs.py).
+_SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_moe": ("VLLM_ROCM_USE_AITER_MOE",),
+                     "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
+
+
 def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
-    """The VLLM_* environment vLLM's selection reads; unset where the config keeps vLLM's default."""
-    return {"VLLM_BATCH_INVARIANT": "1" if config.features.batch_invariant else None}
+    """The VLLM_* environment vLLM's selection reads; unset where the config leaves vLLM's default."""
+    values: dict[str, Optional[str]] = {"VLLM_BATCH_INVARIANT": "1" if config.features.batch_invariant else None}
+    for field, variables in _SWITCH_VARIABLES.items():
+        switch = getattr(config.switches, field).value
+        values.update((name, None if switch == "unset" else "1" if switch == "on" else "0") for name in variables)
+    return values
+
+
+def _check_expressible(config: MoEConfig) -> None:
+    """vLLM on CUDA always carries its own compiled Marlin and CUTLASS kernels: a CUDA config without
+    them describes a machine vLLM cannot be."""
+    if config.platform.vendor == Vendor.cuda:
+        missing = {Package.marlin, Package.vllm_cutlass} - config.platform.packages
+        if missing:
+            raise Inexpressible("platform.packages lacks " + ", ".join(sorted(p.value for p in missing))
+                                + ": vLLM on CUDA always ships them")
 
 
 class VllmOracle:
@@ -347,13 +394,15 @@ class VllmOracle:
 
     def select(self, config: MoEConfig, moe_backend: str = "auto") -> OracleAnswer:
         """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
+        _check_expressible(config)
         switches = _switches(config)
         with self._machine.standing_in(config, switches), _vllm_config_context(config):
-            moe = _moe_config(config, moe_backend)
-            family, select = _selection(config, moe)
-            try:
-                backend, experts = select()
-            except Exception as error:    # vLLM's own refusal (ValueError, NotImplementedError, assert)
+            family = _family(config)
+            try:    # vLLM refuses in FusedMoEConfig.__post_init__ (asserts) or in the select function
+                backend, experts = _selection(config, _moe_config(config, moe_backend))()
+            except (Inexpressible, VllmUnavailableError):
+                raise
+            except Exception as error:
                 return OracleAnswer(family, error=f"{type(error).__name__}: {error}")
         return OracleAnswer(family, backend=backend.name, experts=experts.__name__ if experts else None)
 

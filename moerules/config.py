@@ -44,10 +44,13 @@ def pow2_alignment(value: int) -> int:
 class Routing(str, Enum):
     """How router logits become top-k expert ids and weights."""
 
-    softmax_renormalize = "softmax_renormalize"   # Mixtral, Qwen3 MoE
-    softmax = "softmax"                           # no renormalisation after top-k
+    softmax_renormalize = "softmax_renormalize"   # Mixtral, Qwen3 MoE (vLLM RenormalizeNaive)
+    renormalize = "renormalize"                   # top-k of the logits, then softmax (vLLM Renormalize)
+    softmax = "softmax"                           # no renormalisation after top-k (vLLM Default)
     deepseek_v3 = "deepseek_v3"                   # sigmoid + grouped top-k + correction bias
+    minimax2 = "minimax2"                         # sigmoid + correction bias, no groups
     sigmoid = "sigmoid"
+    sigmoid_renormalize = "sigmoid_renormalize"
     llama4 = "llama4"
 
 
@@ -62,9 +65,19 @@ class ModelShape(_Record):
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
     in_dtype: Dtype = Dtype.bf16
     routing: Routing = Routing.softmax_renormalize
+    router_logits_dtype: Dtype = Field(
+        Dtype.bf16, description="dtype of the router logits the monolithic kernels read (default: in_dtype).")
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
                               description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
                                           "turns some kernels off per model type.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _router_logits_default(cls, data):
+        """Unset router-logits dtype means the layer's in_dtype (vLLM FusedMoEConfig.__post_init__)."""
+        if isinstance(data, dict) and data.get("router_logits_dtype") is None:
+            data = {**data, "router_logits_dtype": data.get("in_dtype", Dtype.bf16)}
+        return data
 
     @model_validator(mode="after")
     def _top_k_within_experts(self) -> "ModelShape":
@@ -110,9 +123,12 @@ class All2AllBackend(str, Enum):
     torch_all2all_batched = "torch_all2all_batched"  # ours, into per-expert batches
     deepep_high_throughput = "deepep_high_throughput"
     deepep_low_latency = "deepep_low_latency"
+    deepep_v2 = "deepep_v2"
     mori = "mori"
     nixl_ep = "nixl_ep"
-    flashinfer_nvlink = "flashinfer_nvlink"
+    moonep = "moonep"
+    flashinfer_nvlink = "flashinfer_nvlink"       # two-sided (vLLM flashinfer_nvlink_two_sided)
+    flashinfer_nvlink_one_sided = "flashinfer_nvlink_one_sided"
 
 
 # Backends that hand experts a [E_local, max_tokens, K] batch instead of a token list.
@@ -177,6 +193,19 @@ class Package(str, Enum):
     mori = "mori"
     nixl_ep = "nixl_ep"
     xpu_kernels = "xpu_kernels"
+    humming = "humming"
+    moonep = "moonep"
+    vllm = "vllm"                  # vLLM's own Triton kernels (WNA16, emulation, MXFP8 dot_scaled, unfused OAI)
+    vllm_cpu = "vllm_cpu"          # vLLM's CPU build (its C++ MoE kernels)
+    b12x = "b12x"
+    hpc = "hpc"
+    zentorch = "zentorch"
+
+
+# What `pip install vllm==0.33.0` brings on CUDA: its own Marlin/CUTLASS ops, the vendored deep_gemm and
+# triton_kernels (vllm/third_party), and its flashinfer-python and humming-kernels requirements.
+VLLM_INSTALL = frozenset({Package.triton, Package.vllm, Package.marlin, Package.vllm_cutlass, Package.deep_gemm,
+                          Package.triton_kernels, Package.flashinfer, Package.humming})
 
 
 _ARCH_PREFIX = {Vendor.cuda: "sm_", Vendor.rocm: "gfx", Vendor.xpu: "xe", Vendor.cpu: ""}
@@ -240,6 +269,24 @@ class Platform(_Record):
         return self.vendor == Vendor.rocm and self.arch.startswith("gfx12")
 
 
+class Switch(str, Enum):
+    """A vLLM environment switch as vLLM reads it: unset (its default applies), on or off.
+    vLLM treats *set* differently from *default*: e.g. VLLM_USE_DEEP_GEMM=1 forces DeepGEMM."""
+
+    unset = "unset"
+    on = "on"
+    off = "off"
+
+
+class Switches(_Record):
+    """vLLM's environment switches that change the kernel decision; `detect()` reads them."""
+
+    rocm_use_aiter: Switch = Field(Switch.unset, description="VLLM_ROCM_USE_AITER (default off): on forces AITER.")
+    rocm_use_aiter_moe: Switch = Field(Switch.unset, description="VLLM_ROCM_USE_AITER_MOE (default on).")
+    use_deep_gemm: Switch = Field(Switch.unset, description="VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM: on forces "
+                                                            "DeepGEMM for FP8, off removes it.")
+
+
 class Features(BaseModel):
     model_config = _FROZEN
 
@@ -261,6 +308,7 @@ class MoEConfig(_Record):
     parallel: Parallel = Parallel()
     platform: Platform = Platform()
     features: Features = Features()
+    switches: Switches = Switches()
 
     @model_validator(mode="after")
     def _intermediate_shards_evenly(self) -> "MoEConfig":
@@ -309,7 +357,7 @@ _PACKAGE_FACTS = [(f"platform.packages.{package.value}", package) for package in
 @lru_cache(maxsize=1024)
 def _quant_facts(quant: QuantConfig) -> dict:
     """Few distinct quant configs recur across many layers; deriving their keys costs ~10 us."""
-    facts = {"quant.family": quant.family.value}
+    facts = {"quant.family": quant.family.value, "quant.checkpoint": quant.checkpoint.value}
     for operand, key in (("weight", quant.weight_key), ("activation", quant.activation_key)):
         facts.update((f"quant.{operand}.{name}", value) for name, value in _key_fact(key).items())
     return facts

@@ -110,12 +110,23 @@ ALLOWED_GRANULARITY: dict[QuantFamily, tuple[set[Granularity], set[Granularity]]
 }
 
 
+class Checkpoint(str, Enum):
+    """Which quantisation method produced the checkpoint: vLLM's method decides which keys reach
+    the kernel oracle and whether vLLM's CUTLASS FP8 kernel may serve it (`allow_vllm_cutlass`)."""
+
+    native = "native"                          # quant_method fp8 / mxfp4 / gptq ... (vLLM's own loader)
+    compressed_tensors = "compressed_tensors"
+    modelopt = "modelopt"
+    quark = "quark"
+
+
 class QuantConfig(BaseModel):
     """A family plus optional granularity choices; the keys are derived, never typed twice."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     family: QuantFamily = QuantFamily.unquantized
+    checkpoint: Checkpoint = Checkpoint.native
     weight_granularity: Optional[Granularity] = None
     activation_granularity: Optional[Granularity] = None
     activation_dynamic: bool = True

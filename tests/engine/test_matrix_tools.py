@@ -23,9 +23,11 @@ def test_diff_reports_changed_decisions_with_the_responsible_rule(rules_without,
                  "--fail-on-change"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["configs"] == 400 and report["changed"] == len(report["changes"]) > 0
+    # Some configs now pick FlashInfer CUTLASS; in others it only joins the eligible alternatives.
+    assert any(change["new_backend"] == "flashinfer_cutlass" for change in report["changes"])
     for change in report["changes"]:
-        assert change["new_backend"] == "flashinfer_cutlass"
-        assert "flashinfer_cutlass.intermediate_align_128" in change["rules"]
+        if change["new_backend"] != change["old_backend"]:
+            assert "flashinfer_cutlass.intermediate_align_128" in change["rules"]
 
 
 def test_diff_of_identical_rules_is_empty(capsys):

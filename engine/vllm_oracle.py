@@ -27,7 +27,7 @@ from moerules.errors import MoeRulesError
 
 VLLM_VERSION = "0.33.0"
 INSTALL_HINT = (f"pip install 'vllm=={VLLM_VERSION}' --no-deps, then the light packages its oracle imports: "
-                "pip install -r requirements-vllm.txt (see README, 'Conformance with vLLM')")
+                "pip install 'moerules[vllm]' (see README, 'Conformance with vLLM')")
 # Compiled extensions the platform modules import at module level; never loaded here.
 _COMPILED = ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C", "vllm_xpu_kernels", "vllm_xpu_kernels._C",
              "vllm_xpu_kernels._moe_C", "vllm_xpu_kernels._xpu_C")

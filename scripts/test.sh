@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Set up, then run everything CI runs: schema freshness, rule lint, the golden decision matrix,
-# a sample of rule mutants, and the test suite.
+# a sample of rule mutants, conformance with vLLM 0.33 on a sample, and the test suite.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
+echo "moerules: installing vLLM 0.33.0's selection code for the conformance check (--no-deps: its compiled"\
+     "extensions are never loaded) and the light packages its oracle imports"
+pip install --quiet --disable-pip-version-check --no-deps "vllm==0.33.0"
+pip install --quiet --disable-pip-version-check -e ".[vllm]" -c constraints.txt
 set -x
 moerules schema --check
 moerules lint
@@ -12,4 +16,5 @@ moerules matrix --check --engine reference   # the engine differential over ever
 # A different sample of rule mutants each commit (seeded by the commit, printed, reproducible).
 seed=$(( 16#$(git rev-parse --short=6 HEAD 2>/dev/null || echo 0) ))
 moerules mutate --sample 8 --seed "$seed"
+moerules conformance --check --sample 3000   # vs the committed reports/conformance.csv
 python -m pytest -q "$@"

@@ -1,0 +1,79 @@
+"""Conformance accounting: agreement, the rules charged with a difference, named deviations, the report."""
+
+import shutil
+
+import pytest
+import yaml
+
+from moerules.config import VLLM_INSTALL, MoEConfig
+from moerules.engine import conformance
+from moerules.engine.cli import main
+from moerules.engine.loader import load_rules
+from moerules.engine.matrix import Cell
+from moerules.resources import default_rules_dir
+
+FULL = sorted(p.value for p in VLLM_INSTALL)
+BIASED_BLACKWELL = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096,
+                                    "has_bias": True},
+                             platform={"vendor": "cuda", "arch": "sm_100", "packages": FULL})
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    pytest.importorskip("vllm")
+    from moerules.engine.vllm_oracle import VllmOracle
+    return VllmOracle()
+
+
+def rules_with_deviation(tmp_path, rule_id: str, deviation):
+    """The default rules with `deviation:` set on (or, for None, removed from) one rule."""
+    out = tmp_path / "rules"
+    shutil.copytree(default_rules_dir(), out)
+    for file in out.glob("*.yaml"):
+        data = yaml.safe_load(file.read_text())
+        for item in data.get("constraints", []):
+            if item["id"] == rule_id:
+                item.pop("deviation", None)
+                if deviation:
+                    item["deviation"] = deviation
+                file.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load_rules(out)
+
+
+@pytest.mark.parametrize("deviation, verdict", [(None, "disagree"),
+                                                ("vLLM's TRT-LLM BF16 experts drop expert biases", "deviation")])
+def test_a_difference_is_charged_to_the_rule_that_made_it(tmp_path, oracle, deviation, verdict):
+    """vLLM picks TRT-LLM BF16 for a biased layer (experts/trtllm_bf16_moe.py drops the biases); our
+    bias rule rejects it. Unnamed, that is a disagreement; with `deviation:` it is a named deviation."""
+    ruleset = rules_with_deviation(tmp_path, "bias.never_dropped", deviation)
+    row = conformance.Conformance(ruleset, oracle).compare(Cell("biased", BIASED_BLACKWELL))
+    assert (row.theirs, row.verdict, row.rules) == ("flashinfer_trtllm", verdict, "bias.never_dropped")
+    assert row.ours != "flashinfer_trtllm" and row.source.startswith("model_executor/layers/fused_moe/experts/")
+
+
+def test_inexpressible_configs_are_counted_apart(oracle):
+    ours_only = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096},
+                          parallel={"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},
+                          platform={"vendor": "cuda", "arch": "sm_90", "packages": FULL})
+    row = conformance.Conformance(load_rules(None), oracle).compare(Cell("ours-only", ours_only))
+    assert row.verdict == "inexpressible" and "torch_all2all is ours" in row.source
+    summary = conformance.Summary([row])
+    assert summary.agreement([row]) == (0, 0, 0, 0)
+
+
+def test_report_and_csv_round_trip():
+    rows = [conformance.Comparison("a", "auto", "fp8", "cuda:sm_90", "triton", "triton", "agree", "", ""),
+            conformance.Comparison("b", "auto", "fp8", "cuda:sm_90", "triton", "marlin", "disagree", "priority.x",
+                                   "experts/marlin_moe.py:681"),
+            conformance.Comparison("c", "pinned", "fp8", "cuda:sm_90", "unsupported", "marlin", "deviation",
+                                   "marlin.bias", "experts/marlin_moe.py:681")]
+    assert list(conformance.from_csv(conformance.to_csv(rows)).values()) == rows
+    report = conformance.report_markdown(conformance.Summary(rows), "0" * 64, "0.33.0")
+    assert "| auto | 2 | 1 | 0 | 1 | 50.0% |" in report
+    assert "| pinned | 1 | 0 | 1 | 0 | 100.0% |" in report
+    assert "| 1 | priority.x | triton | marlin | experts/marlin_moe.py:681 | `b` |" in report
+
+
+def test_check_without_a_committed_report_says_how_to_make_one(tmp_path, capsys):
+    assert main(["conformance", "--check", "--out", str(tmp_path), "--quiet"]) == 2
+    assert "no committed conformance report; run `moerules conformance` and commit it" in capsys.readouterr().err

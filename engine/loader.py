@@ -77,11 +77,15 @@ class _Loader:
     # -- pass 3: cross-file checks ----------------------------------------------------------
     def _declare(self, ruleset: RuleSet) -> None:
         seen: dict[str, SourceRef] = {}
+        upstream: dict[str, SourceRef] = {}   # each vLLM class names one component, or conformance is ambiguous
         for doc, parsed in self.docs:
             ruleset.content.append([doc.display.rsplit("/", 1)[-1], parsed.model_dump(mode="json")])
             for section, table in (("backends", ruleset.backends), ("dispatchers", ruleset.dispatchers)):
                 for index, item in enumerate(getattr(parsed, section)):
                     source = _source(doc, (section, index))
+                    for position, name in enumerate(item.upstream):
+                        self._unique(name, source, upstream, doc, (section, index, "upstream", position),
+                                     what="vLLM class", owner=item.id)
                     if self._unique(item.id, source, seen, doc, (section, index, "id")):
                         table[item.id] = Declared(item, source)
                         ruleset.constraints.extend(_package_gate(item, source))
@@ -103,9 +107,10 @@ class _Loader:
                     if rule is not None:
                         target.append(rule)
 
-    def _unique(self, name: str, source: SourceRef, seen: dict, doc: YamlDocument, loc) -> bool:
+    def _unique(self, name: str, source: SourceRef, seen: dict, doc: YamlDocument, loc, what: str = "id",
+                owner: Optional[str] = None) -> bool:
         if name in seen:
-            self.errors.append(doc.error(f"id {name!r} is already used at {seen[name]}", loc, rule=name))
+            self.errors.append(doc.error(f"{what} {name!r} is already used at {seen[name]}", loc, rule=owner or name))
             return False
         seen[name] = source
         return True

@@ -77,3 +77,14 @@ def test_report_and_csv_round_trip():
 def test_check_without_a_committed_report_says_how_to_make_one(tmp_path, capsys):
     assert main(["conformance", "--check", "--out", str(tmp_path), "--quiet"]) == 2
     assert "no committed conformance report; run `moerules conformance` and commit it" in capsys.readouterr().err
+
+
+def test_a_vllm_class_named_by_two_components_is_a_load_error(tmp_path):
+    from moerules.errors import RuleSetError
+    out = tmp_path / "rules"
+    shutil.copytree(default_rules_dir(), out)
+    extra = {"version": 1, "backends": [{"id": "triton_again", "external": "vllm", "upstream": ["TritonExperts"]}]}
+    (out / "99-extra.yaml").write_text(yaml.safe_dump(extra, sort_keys=False))
+    with pytest.raises(RuleSetError, match=r"99-extra.yaml:\d+:\d+: \[triton_again\] vLLM class 'TritonExperts' is already used at "
+                                           r"\S*10-components.yaml:\d+"):
+        load_rules(out)

@@ -29,7 +29,7 @@ from moerules.engine.ruleset import RuleSet
 from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle
 
 UNSUPPORTED = "unsupported"
-COLUMNS = ["cell", "mode", "family", "platform", "ours", "theirs", "verdict", "rules", "source"]
+COLUMNS = ["cell", "mode", "family", "platform", "ours", "theirs", "verdict", "rules", "source", "violations"]
 
 
 class Verdict:
@@ -52,6 +52,7 @@ class Comparison:
     verdict: str
     rules: str         # the moerules rules responsible for a difference, space-separated
     source: str        # vLLM's side of it: the experts class's file:line, or its refusal
+    violations: str = ""   # invariants vLLM's own choice breaks (bias_dropped, pin_replaced, format_mismatch)
 
 
 class Conformance:
@@ -76,12 +77,30 @@ class Conformance:
         decision = decide_config(self.engine, config)
         ours = decision.backend if decision.outcome == Outcome.selected else UNSUPPORTED
         theirs = self._theirs(answer)
+        violations = " ".join(self._violations(config, theirs))
         if ours == theirs:
-            return Comparison(cell.key, mode, answer.family, platform, ours, theirs, Verdict.agree, "", "")
+            return Comparison(cell.key, mode, answer.family, platform, ours, theirs, Verdict.agree, "", "",
+                              violations)
         rules = self._responsible(decision, theirs)
         deviation = bool(rules) and all(self.ruleset.rule(rule).item.deviation for rule in rules)
         return Comparison(cell.key, mode, answer.family, platform, ours, theirs,
-                          Verdict.deviation if deviation else Verdict.disagree, " ".join(rules), _source(answer))
+                          Verdict.deviation if deviation else Verdict.disagree, " ".join(rules), _source(answer),
+                          violations)
+
+    def _violations(self, config: MoEConfig, theirs: str) -> list[str]:
+        """The invariants of this project that vLLM's own choice breaks, judged by the component's
+        declared capabilities: biases silently dropped, a pin replaced, experts fed the other format."""
+        declared = self.ruleset.backends.get(theirs)
+        if declared is None:
+            return []
+        backend, found = declared.item, []
+        if config.model.has_bias and not backend.bias:
+            found.append("bias_dropped")
+        if config.features.backend not in ("auto", theirs):
+            found.append("pin_replaced")
+        if (backend.format.value == "batched") != config.parallel.batched_format:
+            found.append("format_mismatch")
+        return found
 
     def _vllm_pin(self, config: MoEConfig) -> str:
         pin = config.features.backend
@@ -220,6 +239,7 @@ def report_markdown(summary: Summary, rules_hash: str, vllm_version: str, limit:
             agree, deviation, disagree, compared = summary.agreement(group)
             lines.append(f"| {family} | {platform} | {compared} | {_percent(agree, compared)} | {deviation} | "
                          f"{disagree} |")
+    lines += _violations_section(rows)
     for title, verdict in (("Disagreements", Verdict.disagree), ("Named deviations", Verdict.deviation)):
         groups = summary.disagreements(verdict)
         total = sum(len(group) for group in groups.values())
@@ -231,3 +251,16 @@ def report_markdown(summary: Summary, rules_hash: str, vllm_version: str, limit:
         if len(groups) > limit:
             lines.append(f"| ... | {len(groups) - limit} more groups in conformance.csv | | | | |")
     return "\n".join(lines) + "\n"
+
+
+def _violations_section(rows: Sequence[Comparison]) -> list[str]:
+    """vLLM decisions that break an invariant of ours, by invariant and vLLM's component."""
+    groups: dict[tuple[str, str], list[Comparison]] = defaultdict(list)
+    for row in rows:
+        for violation in row.violations.split():
+            groups[(violation, row.theirs)].append(row)
+    lines = ["", f"## vLLM decisions that break an invariant ({sum(map(len, groups.values()))})", "",
+             "| invariant | vLLM's component | configs | example |", "|---|---|---|---|"]
+    for (violation, theirs), group in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        lines.append(f"| {violation} | {theirs} | {len(group)} | `{group[0].cell}` |")
+    return lines

@@ -48,6 +48,7 @@ def test_a_difference_is_charged_to_the_rule_that_made_it(tmp_path, oracle, devi
     ruleset = rules_with_deviation(tmp_path, "bias.never_dropped", deviation)
     row = conformance.Conformance(ruleset, oracle).compare(Cell("biased", BIASED_BLACKWELL))
     assert (row.theirs, row.verdict, row.rules) == ("flashinfer_trtllm", verdict, "bias.never_dropped")
+    assert row.violations == "bias_dropped"   # vLLM's own choice drops the biases
     assert row.ours != "flashinfer_trtllm" and row.source.startswith("model_executor/layers/fused_moe/experts/")
 
 

@@ -26,7 +26,7 @@ from moerules.engine.evaluate import effective_order
 from moerules.engine.matrix import Cell, decide_config
 from moerules.engine.progress import Progress
 from moerules.engine.ruleset import RuleSet
-from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle
+from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle, vllm_family
 
 UNSUPPORTED = "unsupported"
 COLUMNS = ["cell", "mode", "family", "platform", "ours", "theirs", "verdict", "rules", "source", "violations"]
@@ -106,10 +106,12 @@ class Conformance:
         pin = config.features.backend
         if pin == "auto":
             return "auto"
+        family = vllm_family(config)
         declared = self.ruleset.backends.get(pin)
-        if declared is None or declared.item.vllm_backend is None:
-            raise Inexpressible(f"features.backend={pin} has no vLLM moe_backend (ours only)")
-        return declared.item.vllm_backend
+        vllm_pin = declared.item.vllm_pin(family) if declared else None
+        if vllm_pin is None:
+            raise Inexpressible(f"features.backend={pin} has no vLLM moe_backend for {family} (ours only)")
+        return vllm_pin
 
     def _theirs(self, answer: OracleAnswer) -> str:
         if not answer.selected:

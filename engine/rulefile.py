@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,6 +23,10 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 DEVIATION = Field(None, min_length=1, description=(
     "Why this rule decides differently from vLLM 0.33 on purpose, with the upstream file:line or issue that "
     "shows vLLM's bug; conformance counts the configs it accounts for."))
+
+
+VllmPin = Annotated[str, Field(pattern=r"^[a-z0-9_]+$")]
+VllmFamily = Literal["unquantized", "fp8", "int8", "mxfp8", "mxfp4", "nvfp4", "wna16", "w4a8"]
 
 
 class _Component(BaseModel):
@@ -56,8 +60,15 @@ class _Component(BaseModel):
 class Backend(_Component):
     """An experts backend and its static capabilities (the `backend.*` fields of conditions)."""
 
-    vllm_backend: Optional[str] = Field(None, pattern=r"^[a-z0-9_]+$", description=(
-        "vLLM's `moe_backend` value that pins this backend there; conformance pins both sides with it."))
+    vllm_backend: Optional[Union[VllmPin, dict[VllmFamily, VllmPin]]] = Field(None, description=(
+        "vLLM's `moe_backend` value that pins this backend there (or one per vLLM select family, where the same "
+        "value means another backend in another family); conformance pins both sides with it, and a pin with no "
+        "vLLM value for the config's family is ours only."))
+
+    def vllm_pin(self, family: str) -> Optional[str]:
+        if isinstance(self.vllm_backend, dict):
+            return self.vllm_backend.get(family)
+        return self.vllm_backend
 
     monolithic: bool = False
     lora: bool = False

@@ -97,7 +97,7 @@ def build_config(args) -> MoEConfig:
     data = _merge(data, _flags_to_sections(args))
     if args.detect:
         from moerules.engine.detect import detect, detect_switches
-        data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm"})
+        data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm", "cpu_amx"})
         data["switches"] = detect_switches().model_dump()
     try:
         return MoEConfig.model_validate(data)

@@ -57,5 +57,6 @@ def detect() -> Platform:
                         torch_grouped_mm=grouped)
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return Platform(vendor=Vendor.xpu, arch="xe_hpc", packages=packages, torch_grouped_mm=False)
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     return Platform(vendor=Vendor.cpu, arch=_host.machine().lower() or "cpu", packages=packages,
-                    torch_grouped_mm=False)
+                    torch_grouped_mm=False, cpu_amx=amx)

@@ -81,6 +81,7 @@ VARIATIONS: dict[str, dict] = {
                                       "platform": {"packages": ["triton"]}} for b in All2AllBackend},
     **{f"without={p.value}": {"platform": {"packages": [q.value for q in Package if q != p]}} for p in Package},
     "pkg=none": {"platform": {"packages": []}},
+    "cpu_amx": {"platform": {"cpu_amx": True}},
     **{f"router_logits={d}": {"model": {"router_logits_dtype": d}} for d in ("bf16", "fp32")},
     **{f"switch={name}={value.value}": {"switches": {name: value.value}}
        for name in Switches.model_fields for value in Switch if value != Switch.unset},

@@ -105,10 +105,10 @@ class _Machine:
     """The stood-in machine: one config's platform, packages and switches at a time."""
 
     def __init__(self):
-        self.vllm = _import_vllm()
+        _import_vllm()
+        _import_selection_modules()
         self.packages: frozenset[Package] = frozenset()
         self._platform_key = None
-        self._modules = _import_selection_modules()
         self._install_probes()
 
     def _install_probes(self):
@@ -141,10 +141,14 @@ class _Machine:
         _set_environment(switches)
         self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
         self._set_platform(config.platform.vendor, config.platform.arch)
-        try:
-            yield
-        finally:
-            _set_environment(saved)
+        import torch
+
+        # The x86 CPU classes ask the host CPU (cpu_moe.py:359): answer for the config's CPU instead.
+        with _patched(torch.cpu, "_is_amx_tile_supported", lambda: config.platform.cpu_amx):
+            try:
+                yield
+            finally:
+                _set_environment(saved)
 
     def _set_platform(self, vendor: Vendor, arch: str):
         if self._platform_key == (vendor, arch):
@@ -159,7 +163,7 @@ class _Machine:
         self._platform_key = (vendor, arch)
 
 
-def _import_selection_modules() -> list:
+def _import_selection_modules() -> None:
     """Every oracle, experts and prepare/finalize module, imported while the platform is still
     vLLM's CPU-less default: module-level code that would call a compiled op runs harmlessly here."""
     import pkgutil
@@ -169,13 +173,9 @@ def _import_selection_modules() -> list:
                     "vllm.model_executor.layers.fused_moe.prepare_finalize"):
         module = importlib.import_module(package)
         names += [f"{package}.{info.name}" for info in pkgutil.iter_modules(module.__path__)]
-    imported = []
     for name in names:
-        try:
-            imported.append(importlib.import_module(name))
-        except ImportError:     # a dispatcher whose package (deep_ep, mori, nixl_ep) is absent: probed, not run
-            continue
-    return imported
+        with contextlib.suppress(ImportError):   # a dispatcher whose package (deep_ep, mori ...) is absent
+            importlib.import_module(name)
 
 
 def _platform(vendor: Vendor, arch: str):
@@ -269,6 +269,16 @@ def _moe_config(config: MoEConfig, moe_backend: str):
         routing_method=RoutingMethodType[_ROUTING[model.routing.value]],
         moe_parallel_config=_parallel_config(config), in_dtype=getattr(torch, _DTYPES[model.in_dtype.value]),
         moe_backend=moe_backend, has_bias=model.has_bias, is_lora_enabled=config.features.lora)
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def _set_environment(values: dict[str, Optional[str]]) -> None:

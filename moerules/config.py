@@ -221,6 +221,8 @@ class Platform(_Record):
     packages: frozenset[Package] = Field(frozenset({Package.triton}),
                                          description="Kernel packages importable on the platform.")
     torch_grouped_mm: bool = Field(True, description="torch provides _grouped_mm/_scaled_grouped_mm (torch>=2.8).")
+    cpu_amx: bool = Field(False, description="The CPU is x86 with AMX tiles (Intel Sapphire Rapids or newer): vLLM's "
+                                             "x86 CPU MoE kernels need them (read on vendor cpu only).")
 
     @field_serializer("packages", when_used="json")
     def _sorted_packages(self, packages: frozenset[Package]) -> list[Package]:

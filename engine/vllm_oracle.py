@@ -377,9 +377,17 @@ _SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter
                      "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
 
 
+# Variables selection also reads that no config field models: always unset (vLLM's defaults), so the
+# host's environment cannot leak into an answer.
+_DEFAULTED_VARIABLES = ("VLLM_B12X_MOE_FP4_FORCE_A16", "VLLM_DEEPEPLL_NVFP4_DISPATCH", "VLLM_HUMMING_INPUT_QUANT_CONFIG",
+                        "VLLM_HUMMING_MOE_GEMM_TYPE", "VLLM_HUMMING_USE_F16_ACCUM", "VLLM_ROCM_MOE_PADDING",
+                        "VLLM_CPU_INT4_W4A8", "VLLM_ROCM_USE_AITER_MOE_A4W4_DSV4")
+
+
 def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
     """The VLLM_* environment vLLM's selection reads; unset where the config leaves vLLM's default."""
-    values: dict[str, Optional[str]] = {"VLLM_BATCH_INVARIANT": "1" if config.features.batch_invariant else None}
+    values: dict[str, Optional[str]] = dict.fromkeys(_DEFAULTED_VARIABLES)
+    values["VLLM_BATCH_INVARIANT"] = "1" if config.features.batch_invariant else None
     for field, variables in _SWITCH_VARIABLES.items():
         switch = getattr(config.switches, field).value
         values.update((name, None if switch == "unset" else "1" if switch == "on" else "0") for name in variables)

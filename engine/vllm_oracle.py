@@ -391,6 +391,32 @@ def _check_expressible(config: MoEConfig) -> None:
                             f"{config.platform.vendor.value} always has them")
 
 
+# The package each vLLM all2all backend's manager and prepare/finalize need: without it vLLM fails at
+# startup (distributed/device_communicators/all2all.py:207 deep_ep, :659/:763 flashinfer NVLink, :924 mori,
+# :1046 deep_ep v2) or when it builds the prepare/finalize, whose class is then undefined
+# (model_executor/layers/fused_moe/all2all_utils.py:111-133: nixl_ep, moonep). Those classes import only on
+# CUDA/ROCm (all2all_utils.py:111), so off them every all2all but allgather_reducescatter fails the same way.
+_DISPATCHER_PACKAGES = {"deepep_high_throughput": Package.deep_ep, "deepep_low_latency": Package.deep_ep,
+                        "deepep_v2": Package.deep_ep, "mori": Package.mori, "nixl_ep": Package.nixl_ep,
+                        "moonep": Package.moonep, "flashinfer_nvlink": Package.flashinfer,
+                        "flashinfer_nvlink_one_sided": Package.flashinfer}
+
+
+def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
+    """Why vLLM cannot run the config's all2all dispatcher at all (None: it can)."""
+    parallel = config.parallel
+    package = _DISPATCHER_PACKAGES.get(parallel.all2all_backend.value)
+    if not parallel.use_all2all or package is None:
+        return None
+    if config.platform.vendor not in (Vendor.cuda, Vendor.rocm):
+        return (f"NameError: the {parallel.all2all_backend.value} prepare/finalize is imported only on CUDA/ROCm "
+                "(fused_moe/all2all_utils.py:111)")
+    if package not in config.platform.packages:
+        return (f"AssertionError: all2all backend {parallel.all2all_backend.value} needs {package.value} "
+                "(distributed/device_communicators/all2all.py, fused_moe/all2all_utils.py:111-133)")
+    return None
+
+
 class VllmOracle:
     """vLLM 0.33's selection, callable per config; building it imports vLLM once (~seconds)."""
 
@@ -401,6 +427,9 @@ class VllmOracle:
         """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
         _check_expressible(config)
         switches = _switches(config)
+        refusal = _dispatcher_refusal(config)
+        if refusal:     # vLLM's selection would pick experts for a dispatcher it cannot build
+            return OracleAnswer(vllm_family(config), error=refusal)
         with self._machine.standing_in(config, switches), _vllm_config_context(config):
             family = vllm_family(config)
             try:    # vLLM refuses in FusedMoEConfig.__post_init__ (asserts) or in the select function

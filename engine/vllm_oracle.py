@@ -417,6 +417,11 @@ def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
     return None
 
 
+# moe_backend values the unquantized oracle silently treats as "auto" (oracle/unquantized.py:306-309): a
+# pin of ours on them cannot be given to vLLM (it would compare our pin with vLLM's auto choice).
+_UNQUANTIZED_AUTO_PINS = frozenset({"humming", "marlin"})
+
+
 class VllmOracle:
     """vLLM 0.33's selection, callable per config; building it imports vLLM once (~seconds)."""
 
@@ -426,6 +431,9 @@ class VllmOracle:
     def select(self, config: MoEConfig, moe_backend: str = "auto") -> OracleAnswer:
         """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
         _check_expressible(config)
+        if vllm_family(config) == "unquantized" and moe_backend in _UNQUANTIZED_AUTO_PINS:
+            raise Inexpressible(f"moe_backend={moe_backend} is no pin for unquantized layers: vLLM runs auto "
+                                "selection instead (oracle/unquantized.py:306-309)")
         switches = _switches(config)
         refusal = _dispatcher_refusal(config)
         if refusal:     # vLLM's selection would pick experts for a dispatcher it cannot build

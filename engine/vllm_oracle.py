@@ -405,6 +405,10 @@ _DISPATCHER_PACKAGES = {"deepep_high_throughput": Package.deep_ep, "deepep_low_l
 def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
     """Why vLLM cannot run the config's all2all dispatcher at all (None: it can)."""
     parallel = config.parallel
+    if parallel.all2all_backend.value == "moonep" and (
+            config.quant.family.value != "unquantized" or config.model.in_dtype.value != "bf16" or parallel.eplb):
+        return "ValueError: the moonep all2all backend supports unquantized BF16 models without EPLB only " \
+               "(config/vllm.py:2106-2132)"
     package = _DISPATCHER_PACKAGES.get(parallel.all2all_backend.value)
     if not parallel.use_all2all or package is None:
         return None
@@ -420,6 +424,10 @@ def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
 # moe_backend values the unquantized oracle silently treats as "auto" (oracle/unquantized.py:306-309): a
 # pin of ours on them cannot be given to vLLM (it would compare our pin with vLLM's auto choice).
 _UNQUANTIZED_AUTO_PINS = frozenset({"humming", "marlin"})
+# The unquantized oracle's moe_backend values and the one component each selects (oracle/unquantized.py:109-194):
+# a pin of another component that shares the value (oai_triton's "triton") is not that pin.
+_UNQUANTIZED_PINS = {"triton": {"triton"}, "batched_triton": {"batched_triton"}, "aiter": {"aiter"},
+                     "flashinfer_trtllm": {"flashinfer_trtllm"}, "flashinfer_cutlass": {"flashinfer_cutlass"}}
 
 
 class VllmOracle:
@@ -434,6 +442,13 @@ class VllmOracle:
         if vllm_family(config) == "unquantized" and moe_backend in _UNQUANTIZED_AUTO_PINS:
             raise Inexpressible(f"moe_backend={moe_backend} is no pin for unquantized layers: vLLM runs auto "
                                 "selection instead (oracle/unquantized.py:306-309)")
+        if vllm_family(config) == "unquantized" and config.features.backend not in _UNQUANTIZED_PINS.get(
+                moe_backend, {config.features.backend}):
+            raise Inexpressible(f"features.backend={config.features.backend}: vLLM's unquantized moe_backend="
+                                f"{moe_backend} names another kernel (oracle/unquantized.py:180-194)")
+        if vllm_family(config) == "unquantized" and moe_backend != "auto" and config.features.lora:
+            raise Inexpressible("a pin on an unquantized LoRA layer: vLLM's LoRA branch returns before reading "
+                                "moe_backend (oracle/unquantized.py:234-248)")
         switches = _switches(config)
         refusal = _dispatcher_refusal(config)
         if refusal:     # vLLM's selection would pick experts for a dispatcher it cannot build

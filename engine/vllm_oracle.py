@@ -409,6 +409,45 @@ def _check_expressible(config: MoEConfig) -> None:
                             f"{config.platform.vendor.value} always has them")
 
 
+# The package each vLLM all2all backend's manager and prepare/finalize need: without it vLLM fails at
+# startup (distributed/device_communicators/all2all.py:207 deep_ep, :659/:763 flashinfer NVLink, :924 mori,
+# :1046 deep_ep v2) or when it builds the prepare/finalize, whose class is then undefined
+# (model_executor/layers/fused_moe/all2all_utils.py:111-133: nixl_ep, moonep). Those classes import only on
+# CUDA/ROCm (all2all_utils.py:111), so off them every all2all but allgather_reducescatter fails the same way.
+_DISPATCHER_PACKAGES = {"deepep_high_throughput": Package.deep_ep, "deepep_low_latency": Package.deep_ep,
+                        "deepep_v2": Package.deep_ep, "mori": Package.mori, "nixl_ep": Package.nixl_ep,
+                        "moonep": Package.moonep, "flashinfer_nvlink": Package.flashinfer,
+                        "flashinfer_nvlink_one_sided": Package.flashinfer}
+
+
+def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
+    """Why vLLM cannot run the config's all2all dispatcher at all (None: it can)."""
+    parallel = config.parallel
+    if parallel.all2all_backend.value == "moonep" and (
+            config.quant.family.value != "unquantized" or config.model.in_dtype.value != "bf16" or parallel.eplb):
+        return "ValueError: the moonep all2all backend supports unquantized BF16 models without EPLB only " \
+               "(config/vllm.py:2106-2132)"
+    package = _DISPATCHER_PACKAGES.get(parallel.all2all_backend.value)
+    if not parallel.use_all2all or package is None:
+        return None
+    if config.platform.vendor not in (Vendor.cuda, Vendor.rocm):
+        return (f"NameError: the {parallel.all2all_backend.value} prepare/finalize is imported only on CUDA/ROCm "
+                "(fused_moe/all2all_utils.py:111)")
+    if package not in config.platform.packages:
+        return (f"AssertionError: all2all backend {parallel.all2all_backend.value} needs {package.value} "
+                "(distributed/device_communicators/all2all.py, fused_moe/all2all_utils.py:111-133)")
+    return None
+
+
+# moe_backend values the unquantized oracle silently treats as "auto" (oracle/unquantized.py:306-309): a
+# pin of ours on them cannot be given to vLLM (it would compare our pin with vLLM's auto choice).
+_UNQUANTIZED_AUTO_PINS = frozenset({"humming", "marlin"})
+# The unquantized oracle's moe_backend values and the one component each selects (oracle/unquantized.py:109-194):
+# a pin of another component that shares the value (oai_triton's "triton") is not that pin.
+_UNQUANTIZED_PINS = {"triton": {"triton"}, "batched_triton": {"batched_triton"}, "aiter": {"aiter"},
+                     "flashinfer_trtllm": {"flashinfer_trtllm"}, "flashinfer_cutlass": {"flashinfer_cutlass"}}
+
+
 class VllmOracle:
     """vLLM 0.33's selection, callable per config; building it imports vLLM once (~seconds)."""
 
@@ -418,7 +457,20 @@ class VllmOracle:
     def select(self, config: MoEConfig, moe_backend: str = "auto") -> OracleAnswer:
         """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
         _check_expressible(config)
+        if vllm_family(config) == "unquantized" and moe_backend in _UNQUANTIZED_AUTO_PINS:
+            raise Inexpressible(f"moe_backend={moe_backend} is no pin for unquantized layers: vLLM runs auto "
+                                "selection instead (oracle/unquantized.py:306-309)")
+        if vllm_family(config) == "unquantized" and config.features.backend not in _UNQUANTIZED_PINS.get(
+                moe_backend, {config.features.backend}):
+            raise Inexpressible(f"features.backend={config.features.backend}: vLLM's unquantized moe_backend="
+                                f"{moe_backend} names another kernel (oracle/unquantized.py:180-194)")
+        if vllm_family(config) == "unquantized" and moe_backend != "auto" and config.features.lora:
+            raise Inexpressible("a pin on an unquantized LoRA layer: vLLM's LoRA branch returns before reading "
+                                "moe_backend (oracle/unquantized.py:234-248)")
         switches = _switches(config)
+        refusal = _dispatcher_refusal(config)
+        if refusal:     # vLLM's selection would pick experts for a dispatcher it cannot build
+            return OracleAnswer(vllm_family(config), error=refusal)
         with self._machine.standing_in(config, switches), _vllm_config_context(config):
             family = vllm_family(config)
             try:    # vLLM refuses in FusedMoEConfig.__post_init__ (asserts) or in the select function

@@ -42,7 +42,7 @@ def test_the_experts_agree_with_the_rules_on_expects_unquantized_inputs():
 
 
 def test_an_external_backend_is_named_and_never_replaced():
-    decision = decide(config(SMALL, platform=rocm("gfx942", "aiter")))
+    decision = decide(config(SMALL, platform=rocm("gfx942", "aiter"), switches={"rocm_use_aiter": "on"}))
     assert decision.backend == "aiter" and decision.kernel is None
     with pytest.raises(KernelUnavailableError, match="experts backend 'aiter' is an external kernel from package "
                                                      "'aiter'.*pin one of our backends.*triton"):

@@ -59,8 +59,12 @@ def test_padding_is_tp_aware(rules_without):
 
 
 def test_lora_in_auto_mode_falls_back_to_a_lora_capable_backend(rules_without):
-    cfg = config(platform=cuda("sm_100", "flashinfer"), features={"lora": True})
-    assert decide(config(platform=cuda("sm_100", "flashinfer"))).backend == "flashinfer_trtllm"
+    # vLLM 0.33 serves BF16 LoRA on SM10x with its TRT-LLM LoRA experts (oracle/unquantized.py:234-244) ...
+    lora = config(platform=cuda("sm_100", "flashinfer"), features={"lora": True})
+    assert decide(lora).backend == "flashinfer_trtllm_lora"
+    # ... but not for sigmoid routing (experts/trtllm_lora_moe.py:525-531), which the monolithic kernel takes
+    cfg = config({"routing": "sigmoid"}, platform=cuda("sm_100", "flashinfer"), features={"lora": True})
+    assert decide(config({"routing": "sigmoid"}, platform=cuda("sm_100", "flashinfer"))).backend == "flashinfer_trtllm"
     decision = decide(cfg)
     assert (decision.backend, decision.selected_by) == ("triton", SelectedBy.fallback)
     assert decision.fallback_rule == "lora.requires_capable_backend"
@@ -75,7 +79,7 @@ def test_lora_pin_is_never_replaced():
     assert decision.outcome == Outcome.unsupported and decision.backend is None
     assert decision.failure_reason == ReasonCode.lora_unsupported
     assert "lora.requires_capable_backend" in str(raised.value)
-    assert "Eligible alternatives: triton" in str(raised.value)
+    assert "Eligible alternatives: flashinfer_trtllm_lora, triton" in str(raised.value)
 
 
 def test_lora_never_sees_quantized_activations(rules_without):
@@ -115,7 +119,8 @@ def test_mori_fp8_dispatch_quantizes_before_the_network_unless_experts_defer(rul
 
 
 def test_unquantized_mori_dispatch_uses_the_input_dtype_and_no_scales(rules_without):
-    cfg = config(platform=rocm("gfx942", "aiter", "mori"), parallel=mori_ep())
+    # vLLM runs unquantised AITER only with VLLM_ROCM_USE_AITER=1 (experts/rocm_aiter_moe.py:512-514)
+    cfg = config(platform=rocm("gfx942", "aiter", "mori"), parallel=mori_ep(), switches={"rocm_use_aiter": "on"})
     decision = decide(cfg)
     assert (decision.backend, decision.prepare_finalize) == ("aiter", "mori")
     assert (decision.quant.dispatch_dtype, decision.quant.scale_dim, decision.quant.scale_type_size) == ("bf16", 0, 0)

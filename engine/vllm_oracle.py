@@ -146,6 +146,11 @@ class _Machine:
         _set_environment(switches)
         self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
         self._set_platform(config.platform.vendor, config.platform.arch)
+        # DeepGEMM's support probe is @functools.cache'd (utils/deep_gemm.py:112-118): computed anew per machine.
+        import vllm.utils.deep_gemm as deep_gemm
+
+        for name in ("is_deep_gemm_supported", "is_deep_gemm_e8m0_used"):
+            getattr(deep_gemm, name).cache_clear()
         try:
             yield
         finally:

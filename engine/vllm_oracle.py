@@ -112,6 +112,7 @@ class _Machine:
         self._install_probes()
 
     def _install_probes(self):
+        _stand_in_humming()
         import vllm._aiter_ops as aiter_ops
         import vllm._custom_ops as custom_ops
 
@@ -125,6 +126,10 @@ class _Machine:
         for name, supported in _COMPILED_PROBES.items():
             setattr(custom_ops, name, lambda cc, supported=supported: Package.vllm_cutlass in self.packages
                     and supported(cc))
+        # AITER's gate_mode probe imports aiter.fused_moe (_aiter_ops.py:2848-2860): the stood-in aiter is
+        # taken to be >= 0.1.14, the first release AiterMxfp8Experts can call.
+        aiter_ops.rocm_aiter_ops.fused_moe_supports_gate_mode = classmethod(
+            lambda cls: Package.aiter in self.packages)
         self._aiter_ops = aiter_ops
 
     @staticmethod
@@ -142,7 +147,11 @@ class _Machine:
         self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
         self._set_platform(config.platform.vendor, config.platform.arch)
         import torch
+        import vllm.utils.deep_gemm as deep_gemm
 
+        # DeepGEMM's support probe is @functools.cache'd (utils/deep_gemm.py:112-118): computed anew per machine.
+        for name in ("is_deep_gemm_supported", "is_deep_gemm_e8m0_used"):
+            getattr(deep_gemm, name).cache_clear()
         # The x86 CPU classes ask the host CPU (cpu_moe.py:359): answer for the config's CPU instead.
         with _patched(torch.cpu, "_is_amx_tile_supported", lambda: config.platform.cpu_amx):
             try:
@@ -161,6 +170,25 @@ class _Machine:
             if "current_platform" in vars(module):
                 module.current_platform = platform
         self._platform_key = (vendor, arch)
+
+
+def _stand_in_humming() -> None:
+    """Humming's experts ask the `humming` package for their gemm type while deciding
+    (fused_humming_moe.py:631-655 -> humming.config.GemmType); where the package is absent,
+    a stand-in enum answers (its presence is still the `has_humming` probe)."""
+    import enum
+
+    try:
+        importlib.import_module("humming.config")
+        return
+    except ImportError:
+        pass
+    package, config = types.ModuleType("humming"), types.ModuleType("humming.config")
+    config.GemmType = enum.Enum("GemmType", {"INDEXED": "indexed", "GROUPED_CONTIGUOUS": "grouped_contiguous",
+                                             "GROUPED_MASKED": "grouped_masked"})
+    package.config = config
+    sys.modules.setdefault("humming", package)
+    sys.modules.setdefault("humming.config", config)
 
 
 def _import_selection_modules() -> None:

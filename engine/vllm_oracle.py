@@ -67,7 +67,27 @@ def _import_vllm():
     if vllm.__version__ != VLLM_VERSION:
         raise VllmUnavailableError(f"conformance is pinned to vLLM {VLLM_VERSION}, found {vllm.__version__}; "
                                    f"{INSTALL_HINT}")
+    _stand_in_humming()
     return vllm
+
+
+def _stand_in_humming() -> None:
+    """Humming's experts read the humming package's GemmType enum inside `is_supported_config`
+    (experts/fused_humming_moe.py:649,686-689,899-901 via utils/humming.py:66), so selection crashes with
+    ModuleNotFoundError where humming is not installed although `has_humming()` is stood in: that enum
+    (and only it) stands in, with humming's own values (get_humming_moe_gemm_type, fused_humming_moe.py:112)."""
+    import enum
+    import importlib.util
+
+    if "humming" in sys.modules or importlib.util.find_spec("humming") is not None:
+        return
+    config = types.ModuleType("humming.config")
+    config.GemmType = enum.Enum("GemmType", {"INDEXED": "indexed", "GROUPED_CONTIGUOUS": "grouped_contiguous",
+                                             "GROUPED_MASKED": "grouped_masked"})
+    package = types.ModuleType("humming")
+    package.__path__ = []
+    package.config = config
+    sys.modules["humming"], sys.modules["humming.config"] = package, config
 
 
 # -- the machine, stood in -------------------------------------------------------------------

@@ -47,11 +47,9 @@ def _variant(tmp_path: Path, name: str, cuda_order: str) -> Path:
     shutil.copytree(RULES, folder)
     components = folder / "10-components.yaml"
     components.write_text(components.read_text().replace("description: Experts backends", f"description: ({name}) Experts backends", 1))
-    priority = folder / "50-priority.yaml"
-    text = priority.read_text()
-    start = text.index("order: [flashinfer_trtllm")
-    end = text.index("]", start)
-    priority.write_text(text[:start] + f"order: [{cuda_order}" + text[end:])
+    # A CUDA order in the first file: the first matching `order` wins, so no family's own order shadows it.
+    (folder / "00-flip.yaml").write_text(
+        f"version: 1\npriorities:\n  - id: flip.cuda\n    when: platform.vendor == cuda\n    order: [{cuda_order}]\n")
     return folder
 
 
@@ -92,7 +90,7 @@ def test_a_rule_set_object_pins_its_version(tmp_path):
     folder = _variant(tmp_path, "a", "marlin, triton")
     pinned = load_rules(folder)
     before = decide(CONFIG, rules=pinned)
-    (folder / "50-priority.yaml").write_text((RULES / "50-priority.yaml").read_text())
+    (folder / "00-flip.yaml").unlink()
     assert decide(CONFIG, rules=pinned) == before
     assert decide(CONFIG, rules=folder).rules_hash != pinned.hash
 

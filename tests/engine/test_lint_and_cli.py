@@ -70,8 +70,8 @@ def test_cli_reads_config_files_and_reports_bad_ones(tmp_path, capsys):
     good.write_text("model: gpt-oss-120b\nplatform: {vendor: rocm, arch: gfx950, packages: [triton, aiter]}\n")
     assert main(["explain", str(good)]) == 0
     out = capsys.readouterr().out
-    assert "selected by fallback via ck_mxfp4.dim_alignment_256" in out
-    assert re.search(r"aiter +shape_unaligned +ck_mxfp4.dim_alignment_256 +rules/40-capabilities.yaml:\d+", out)
+    assert "triton experts (auto)" in out
+    assert re.search(r"aiter +arch_unsupported +aiter.mxfp4_enabled +rules/33-mxfp4.yaml:\d+", out)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {num_experts: 8, top_k: 2, hidden_size: 64, intermediate_size: 64, activation: sillu}\n")
     assert main(["decide", str(bad)]) == 2

@@ -20,28 +20,42 @@ def mori_ep(**extra):
     return {"tp": 1, "dp": 2, "expert_parallel": True, "all2all_backend": "mori", **extra}
 
 
+AITER_ON = {"rocm_use_aiter": "on"}   # vLLM 0.33 runs AITER's MXFP4 MoE only with VLLM_ROCM_USE_AITER=1
+
+
 def test_ck_mxfp4_only_on_gfx950(rules_without):
     aligned = dict(GPT_OSS_LIKE, hidden_size=4096, intermediate_size=4096)
-    on_gfx950 = decide(config(aligned, quant=MXFP4, platform=rocm("gfx950", "aiter")))
-    on_gfx942 = config(aligned, quant=MXFP4, platform=rocm("gfx942", "aiter"))
+    on_gfx950 = decide(config(aligned, quant=MXFP4, platform=rocm("gfx950", "aiter"), switches=AITER_ON))
+    on_gfx942 = config(aligned, quant=MXFP4, platform=rocm("gfx942", "aiter"), switches=AITER_ON)
     assert on_gfx950.backend == "aiter"
     decision = decide(on_gfx942)
-    assert decision.backend == "triton"
+    assert decision.backend == "aiter_triton"   # AITER's Triton MXFP4 kernel also runs on gfx942
     [rejection] = [r for r in decision.rejections_of("aiter") if r.rule == "ck_mxfp4.gfx950_only"]
     assert rejection.reason == ReasonCode.arch_unsupported and rejection.source.file == "rules/30-quant.yaml"
     assert decide(on_gfx942, rules_without("ck_mxfp4.gfx950_only")).backend == "aiter"
 
 
-@pytest.mark.parametrize("hidden,intermediate,tp", [(2880, 2880, 1), (4096, 1536, 4)])
-def test_ck_mxfp4_256_alignment_falls_back_to_triton(rules_without, hidden, intermediate, tp):
-    # gpt-oss-20b hidden 2880; MiniMax-style TP=4 leaves 384 per partition: both crashed CK.
-    cfg = config(dict(GPT_OSS_LIKE, hidden_size=hidden, intermediate_size=intermediate),
-                 quant=MXFP4, platform=rocm("gfx950", "aiter"), parallel={"tp": tp})
+def test_aiter_mxfp4_needs_the_aiter_switch(rules_without):
+    cfg = config(dict(GPT_OSS_LIKE, hidden_size=4096, intermediate_size=4096), quant=MXFP4,
+                 platform=rocm("gfx950", "aiter"))
     decision = decide(cfg)
-    assert (decision.backend, decision.selected_by) == ("triton", SelectedBy.fallback)
-    assert decision.fallback_rule == "ck_mxfp4.dim_alignment_256"
-    assert [r.reason for r in decision.rejections_of("aiter")] == [ReasonCode.shape_unaligned]
-    assert decide(cfg, rules_without("ck_mxfp4.dim_alignment_256")).backend == "aiter"
+    assert decision.backend == "triton"     # neither AITER kernel without VLLM_ROCM_USE_AITER=1
+    assert [r.rule for r in decision.rejections_of("aiter")] == ["aiter.mxfp4_enabled"]
+    assert decide(cfg, rules_without("aiter.mxfp4_enabled")).backend == "aiter"
+
+
+@pytest.mark.parametrize("hidden,intermediate,tp", [(2880, 2880, 1), (4096, 1536, 4)])
+def test_ck_mxfp4_unaligned_shapes_are_padded_to_256(rules_without, hidden, intermediate, tp):
+    # gpt-oss-20b hidden 2880; MiniMax-style TP=4 leaves 384 per partition: both crashed CK unpadded.
+    # vLLM pads both to 256 on ROCm (oracle/mxfp4.py:880-910) instead of falling back.
+    cfg = config(dict(GPT_OSS_LIKE, hidden_size=hidden, intermediate_size=intermediate),
+                 quant=MXFP4, platform=rocm("gfx950", "aiter"), parallel={"tp": tp}, switches=AITER_ON)
+    decision = decide(cfg)
+    assert decision.backend == "aiter"
+    assert decision.padding.hidden_padded % 256 == 0 and decision.padding.intermediate_padded % 256 == 0
+    assert decision.padding.hidden_pad < 256 and decision.padding.intermediate_pad < 256
+    unpadded = decide(cfg, rules_without("rocm.mxfp4_round_up")).padding
+    assert unpadded.hidden_pad == 0 and unpadded.intermediate_pad == 0
 
 
 def test_padding_is_tp_aware(rules_without):

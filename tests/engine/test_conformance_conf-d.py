@@ -24,11 +24,13 @@ def _vllm(config):
 
 
 def test_w4a8_cutlass_shape_refused_before_selection():
-    # hidden 2880 is not a multiple of 256: vLLM picks CUTLASS W4A8, then asserts in create_weights.
+    # hidden 2880 is not a multiple of 256: vLLM picks CUTLASS W4A8, then asserts in create_weights
+    # (as it would for Humming): we refuse both up front.
     config = _config({"family": "w4a8"}, "cuda", "sm_90", CUDA_ALL, hidden=2880, intermediate=2880)
     decision = decide(config)
-    assert decision.outcome == Outcome.selected and decision.backend == "humming"
-    assert {r.rule for r in decision.rejections_of("cutlass_w4a8")} == {"cutlass_w4a8.dim_alignment_256"}
+    assert decision.outcome == Outcome.unsupported
+    for backend in ("cutlass_w4a8", "humming"):
+        assert {r.rule for r in decision.rejections_of(backend)} == {"cutlass_w4a8.dim_alignment_256"}
     answer = _vllm(config)
     assert answer.experts == "CutlassExpertsW4A8Fp8"
 

@@ -55,11 +55,31 @@ class OracleAnswer:
         return self.experts is not None
 
 
+def _stand_in_humming() -> None:
+    """The `humming` package (a CUDA kernel library) is probed by `has_humming`, which stands in for
+    it; but Humming's experts read `humming.config.GemmType` in `is_supported_config`
+    (experts/fused_humming_moe.py:642, :686-689, :898-901, :1033-1036). Where the real package is
+    absent, a module holding only that enum answers, so selection never fails on the import."""
+    import enum
+    import importlib.util
+
+    if "humming" in sys.modules or importlib.util.find_spec("humming") is not None:
+        return
+    config = types.ModuleType("humming.config")
+    config.GemmType = enum.Enum("GemmType", {"INDEXED": "indexed", "GROUPED_CONTIGUOUS": "grouped_contiguous",
+                                             "GROUPED_MASKED": "grouped_masked"})
+    package = types.ModuleType("humming")
+    package.__path__ = []
+    package.config = config
+    sys.modules["humming"], sys.modules["humming.config"] = package, config
+
+
 def _import_vllm():
     # vLLM logs each backend choice and fallback once per process: noise in a sweep of thousands.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     for name in _COMPILED:
         sys.modules.setdefault(name, types.ModuleType(name))
+    _stand_in_humming()
     try:
         import vllm
     except ImportError as error:
@@ -151,6 +171,16 @@ class _Machine:
         aiter_ops.rocm_aiter_ops.fused_moe_supports_gate_mode = classmethod(
             lambda cls: Package.aiter in self.packages)
         self._aiter_ops = aiter_ops
+        # The RDNA3 WNA16 kernel is a compiled op of vLLM's ROCm build (torch.ops._rocm_C.moe_gptq_gemm_rdna3),
+        # present wherever vLLM itself is; only its arch gate is asked (experts/rdna3_moe.py:41-52).
+        import vllm.model_executor.layers.fused_moe.experts.rdna3_moe as rdna3_moe
+
+        def rdna3_available() -> bool:
+            from vllm.platforms import current_platform
+
+            return current_platform.is_rocm() and self._platform_key == (Vendor.rocm, "gfx1100")
+
+        rdna3_moe.rdna3_moe_kernel_available = rdna3_available
 
     @staticmethod
     def _vllm_modules():
@@ -375,7 +405,42 @@ def _fp8_keys(config: MoEConfig):
     return weight, act, checkpoint == "compressed_tensors"
 
 
-_FAMILIES = {"fp8_w8a8": "fp8", "fp8_w8a16": "fp8", "int8_w8a8": "int8", "int8_w8a16": "int8",
+def _wna16_arguments(config: MoEConfig):
+    """What the checkpoint's WNA16 method passes to select_wna16_moe_backend (our weight-only int4
+    `wna16` and int8 `int8_w8a16`, symmetric, no act-order): weight key, quant config (the oracle
+    only tests its class and group_size/desc_act/actorder/strategy), may_have_bias, allow_tile_padding.
+    native = GPTQ (auto_gptq.py:457-479: kInt4Static for every group size, may_have_bias=True always,
+    tile padding); compressed_tensors (compressed_tensors_moe_wna16.py:74-110: group 32 keeps its key,
+    may_have_bias=False, tile padding); quark W4A16 int4 (quark.py:566-570, quark_moe.py:346: no tile
+    padding, no int8 weight-only MoE)."""
+    k = _keys()
+    quant, checkpoint = config.quant, config.quant.checkpoint.value
+    bits = 8 if quant.family.value == "int8_w8a16" else 4
+    granularity = quant.weight_key.granularity.value
+    group = {"group128": 128, "group32": 32}.get(granularity, -1)
+    weight = k.kInt8Static if bits == 8 else k.kInt4Static32 if group == 32 and checkpoint != "native" \
+        else k.kInt4Static
+    if checkpoint == "native":
+        from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+        quant_config = object.__new__(AutoGPTQConfig)
+        quant_config.group_size, quant_config.desc_act, quant_config.is_sym = group, False, True
+        return weight, quant_config, True, True
+    if checkpoint == "compressed_tensors":
+        from compressed_tensors.quantization import QuantizationArgs
+
+        strategy = "channel" if group == -1 else "group"
+        quant_config = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy,
+                                        group_size=None if group == -1 else group)
+        return weight, quant_config, False, True
+    if checkpoint == "quark" and bits == 4:
+        from vllm.model_executor.layers.quantization.quark.quark import QuarkConfig
+
+        return weight, object.__new__(QuarkConfig), False, False
+    raise Inexpressible(f"quant.checkpoint={checkpoint} has no {quant.family.value} MoE method in vLLM")
+
+
+_FAMILIES = {"fp8_w8a8": "fp8", "fp8_w8a16": "fp8", "int8_w8a8": "int8", "int8_w8a16": "wna16",
              "mxfp4_w4a16": "mxfp4", "mxfp4_w4a4": "mxfp4", "mxfp4_w4a8": "mxfp4"}
 
 
@@ -400,8 +465,6 @@ def _selection(config: MoEConfig, moe: object) -> Callable[[], tuple]:
         return lambda: fp8.select_fp8_moe_backend(moe, weight, activation, allow_vllm_cutlass=allow_cutlass)
     if family == "int8_w8a8":
         return lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, k.kInt8DynamicTokenSym)
-    if family == "int8_w8a16":
-        return lambda: int8.select_int8_moe_backend(moe, k.kInt8StaticChannelSym, None)
     if family == "mxfp8":
         return lambda: mxfp8.select_mxfp8_moe_backend(moe)
     if family == "mxfp4_w4a16":
@@ -414,9 +477,11 @@ def _selection(config: MoEConfig, moe: object) -> Callable[[], tuple]:
         return lambda: nvfp4.select_nvfp4_moe_backend(moe, k.kNvfp4Static, k.kNvfp4Dynamic)
     if family == "w4a8":
         return lambda: w4a8.select_w4a8_moe_backend(moe)
-    if family == "wna16":
+    if family in ("wna16", "int8_w8a16"):
+        weight, quant_config, may_have_bias, allow_tile_padding = _wna16_arguments(config)
         return lambda: int_wna16.select_wna16_moe_backend(
-            moe, k.kInt4Static, quant_config=None, may_have_zp=False, may_have_bias=config.model.has_bias)
+            moe, weight, quant_config=quant_config, may_have_zp=False, may_have_bias=may_have_bias,
+            allow_tile_padding=allow_tile_padding)
     raise Inexpressible(f"quant.family={family} has no vLLM select function")
 
 

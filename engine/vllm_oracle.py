@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import sys
 import types
@@ -84,6 +85,7 @@ def _import_vllm():
         import vllm
     except ImportError as error:
         raise VllmUnavailableError(f"vLLM is not importable ({error}); {INSTALL_HINT}") from None
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     if vllm.__version__ != VLLM_VERSION:
         raise VllmUnavailableError(f"conformance is pinned to vLLM {VLLM_VERSION}, found {vllm.__version__}; "
                                    f"{INSTALL_HINT}")

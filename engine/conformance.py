@@ -119,19 +119,25 @@ class Conformance:
         return self.component_of.get(answer.experts, f"unnamed:{answer.experts}")
 
     def _responsible(self, decision: Decision, theirs: str) -> list[str]:
-        """The rules that kept vLLM's choice from being ours: its rejections, else the ranking."""
+        """The rules that kept vLLM's choice from being ours: its rejections, else the ranking in effect
+        (the base order that applied and the promotions/demotions that moved either backend)."""
         rejected = sorted({r.rule for r in decision.rejections if r.backend == theirs})
         if rejected or theirs.startswith("unnamed:"):
             return rejected
         fired = set(decision.trace)
         ranking = [rule for rule in self.ruleset.priorities if rule.id in fired]
+        order, base = effective_order(ranking)
+        moved = [rule for rule in ranking if rule.item.action != "order"]
         if theirs == UNSUPPORTED:   # ours serves where vLLM has nothing: the rules that ranked ours
-            return sorted(rule.id for rule in ranking if decision.backend in rule.item.backends)
-        order, _ = effective_order(ranking)
-        if decision.backend in order and theirs in order and order.index(decision.backend) < order.index(theirs):
-            return sorted(rule.id for rule in ranking if decision.backend in rule.item.backends
-                          or theirs in rule.item.backends)
-        return []
+            involved = {decision.backend}
+        elif decision.backend in order and theirs in order and order.index(decision.backend) < order.index(theirs):
+            involved = {decision.backend, theirs}
+        else:
+            return []
+        charged = [rule for rule in moved if involved & set(rule.item.backends)]
+        if base is not None and involved & set(base.item.backends):
+            charged.append(base)
+        return sorted(rule.id for rule in charged)
 
 
 def _source(answer: OracleAnswer) -> str:

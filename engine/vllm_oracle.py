@@ -131,6 +131,9 @@ _PACKAGE_PROBES: dict[str, Package] = {
     "has_aiter": Package.aiter,
     "has_humming": Package.humming,
     "has_moonep": Package.moonep,
+    "has_b12x": Package.b12x,
+    "has_hpc": Package.hpc,
+    "has_zentorch_op": Package.zentorch,
 }
 # Probes of vLLM's own compiled extension (`_custom_ops`): present with the vllm_cutlass package,
 # answering for the architectures a full build compiles (csrc/quantization/cutlass_w8a8/scaled_mm_entry.cu).

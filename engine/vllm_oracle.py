@@ -56,25 +56,6 @@ class OracleAnswer:
         return self.experts is not None
 
 
-def _stand_in_humming() -> None:
-    """The `humming` package (a CUDA kernel library) is probed by `has_humming`, which stands in for
-    it; but Humming's experts read `humming.config.GemmType` in `is_supported_config`
-    (experts/fused_humming_moe.py:642, :686-689, :898-901, :1033-1036). Where the real package is
-    absent, a module holding only that enum answers, so selection never fails on the import."""
-    import enum
-    import importlib.util
-
-    if "humming" in sys.modules or importlib.util.find_spec("humming") is not None:
-        return
-    config = types.ModuleType("humming.config")
-    config.GemmType = enum.Enum("GemmType", {"INDEXED": "indexed", "GROUPED_CONTIGUOUS": "grouped_contiguous",
-                                             "GROUPED_MASKED": "grouped_masked"})
-    package = types.ModuleType("humming")
-    package.__path__ = []
-    package.config = config
-    sys.modules["humming"], sys.modules["humming.config"] = package, config
-
-
 def _import_vllm():
     # vLLM logs each backend choice and fallback once per process: noise in a sweep of thousands.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -89,7 +70,6 @@ def _import_vllm():
     if vllm.__version__ != VLLM_VERSION:
         raise VllmUnavailableError(f"conformance is pinned to vLLM {VLLM_VERSION}, found {vllm.__version__}; "
                                    f"{INSTALL_HINT}")
-    _stand_in_humming()
     return vllm
 
 
@@ -157,7 +137,6 @@ class _Machine:
         self._install_probes()
 
     def _install_probes(self):
-        _stand_in_humming()
         import vllm._aiter_ops as aiter_ops
         import vllm._custom_ops as custom_ops
 
@@ -225,25 +204,6 @@ class _Machine:
             if "current_platform" in vars(module):
                 module.current_platform = platform
         self._platform_key = (vendor, arch)
-
-
-def _stand_in_humming() -> None:
-    """Humming's experts ask the `humming` package for their gemm type while deciding
-    (fused_humming_moe.py:631-655 -> humming.config.GemmType); where the package is absent,
-    a stand-in enum answers (its presence is still the `has_humming` probe)."""
-    import enum
-
-    try:
-        importlib.import_module("humming.config")
-        return
-    except ImportError:
-        pass
-    package, config = types.ModuleType("humming"), types.ModuleType("humming.config")
-    config.GemmType = enum.Enum("GemmType", {"INDEXED": "indexed", "GROUPED_CONTIGUOUS": "grouped_contiguous",
-                                             "GROUPED_MASKED": "grouped_masked"})
-    package.config = config
-    sys.modules.setdefault("humming", package)
-    sys.modules.setdefault("humming.config", config)
 
 
 def _import_selection_modules() -> None:

@@ -161,6 +161,7 @@ class _Machine:
         _set_environment(switches)
         self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
         self._set_platform(config.platform.vendor, config.platform.arch)
+        _clear_platform_caches()
         try:
             yield
         finally:
@@ -177,6 +178,17 @@ class _Machine:
             if "current_platform" in vars(module):
                 module.current_platform = platform
         self._platform_key = (vendor, arch)
+
+
+def _clear_platform_caches() -> None:
+    """vLLM caches some answers about the machine for the process (`functools.cache` on
+    utils/deep_gemm.py:112 is_deep_gemm_supported ...): with a stood-in machine per config they would
+    carry the first config's platform and switches into every later one."""
+    import vllm.utils.deep_gemm as deep_gemm
+
+    for value in vars(deep_gemm).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 def _import_selection_modules() -> list:

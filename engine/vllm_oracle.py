@@ -180,12 +180,9 @@ class _Machine:
         _set_environment(switches)
         self._aiter_ops.rocm_aiter_ops.refresh_env_variables()
         self._set_platform(config.platform.vendor, config.platform.arch)
+        _clear_platform_caches()
         import torch
-        import vllm.utils.deep_gemm as deep_gemm
 
-        # DeepGEMM's support probe is @functools.cache'd (utils/deep_gemm.py:112-118): computed anew per machine.
-        for name in ("is_deep_gemm_supported", "is_deep_gemm_e8m0_used"):
-            getattr(deep_gemm, name).cache_clear()
         # The x86 CPU classes ask the host CPU (cpu_moe.py:359): answer for the config's CPU instead.
         with _patched(torch.cpu, "_is_amx_tile_supported", lambda: config.platform.cpu_amx):
             try:
@@ -204,6 +201,17 @@ class _Machine:
             if "current_platform" in vars(module):
                 module.current_platform = platform
         self._platform_key = (vendor, arch)
+
+
+def _clear_platform_caches() -> None:
+    """vLLM caches some answers about the machine for the process (`functools.cache` on
+    utils/deep_gemm.py:112 is_deep_gemm_supported ...): with a stood-in machine per config they would
+    carry the first config's platform and switches into every later one."""
+    import vllm.utils.deep_gemm as deep_gemm
+
+    for value in vars(deep_gemm).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 def _import_selection_modules() -> None:

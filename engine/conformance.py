@@ -29,6 +29,10 @@ from moerules.engine.ruleset import RuleSet
 from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle, vllm_family
 
 UNSUPPORTED = "unsupported"
+# Where vLLM replaces a pinned backend (its unquantized LoRA branch returns Triton before reading
+# moe_backend, oracle/unquantized.py:234-248), our policy differs on purpose: a pin is honoured or the
+# decision fails (README, Policies). Such a difference is charged to that policy.
+PIN_POLICY = "policy:pin_honoured_or_refused"
 COLUMNS = ["cell", "mode", "family", "platform", "ours", "theirs", "verdict", "rules", "source", "violations"]
 
 
@@ -81,6 +85,9 @@ class Conformance:
         if ours == theirs:
             return Comparison(cell.key, mode, answer.family, platform, ours, theirs, Verdict.agree, "", "",
                               violations)
+        if "pin_replaced" in violations:   # vLLM ran another backend than the one asked for
+            return Comparison(cell.key, mode, answer.family, platform, ours, theirs, Verdict.deviation,
+                              PIN_POLICY, _source(answer), violations)
         rules = self._responsible(decision, theirs)
         deviation = bool(rules) and all(self.ruleset.rule(rule).item.deviation for rule in rules)
         return Comparison(cell.key, mode, answer.family, platform, ours, theirs,

@@ -525,15 +525,6 @@ def _dispatcher_refusal(config: MoEConfig) -> Optional[str]:
     return None
 
 
-# moe_backend values the unquantized oracle silently treats as "auto" (oracle/unquantized.py:306-309): a
-# pin of ours on them cannot be given to vLLM (it would compare our pin with vLLM's auto choice).
-_UNQUANTIZED_AUTO_PINS = frozenset({"humming", "marlin"})
-# The unquantized oracle's moe_backend values and the one component each selects (oracle/unquantized.py:109-194):
-# a pin of another component that shares the value (oai_triton's "triton") is not that pin.
-_UNQUANTIZED_PINS = {"triton": {"triton"}, "batched_triton": {"batched_triton"}, "aiter": {"aiter"},
-                     "flashinfer_trtllm": {"flashinfer_trtllm"}, "flashinfer_cutlass": {"flashinfer_cutlass"}}
-
-
 class VllmOracle:
     """vLLM 0.33's selection, callable per config; building it imports vLLM once (~seconds)."""
 
@@ -543,16 +534,6 @@ class VllmOracle:
     def select(self, config: MoEConfig, moe_backend: str = "auto") -> OracleAnswer:
         """vLLM's answer for `config`; raises `Inexpressible` for inputs vLLM cannot be given."""
         _check_expressible(config)
-        if vllm_family(config) == "unquantized" and moe_backend in _UNQUANTIZED_AUTO_PINS:
-            raise Inexpressible(f"moe_backend={moe_backend} is no pin for unquantized layers: vLLM runs auto "
-                                "selection instead (oracle/unquantized.py:306-309)")
-        if vllm_family(config) == "unquantized" and config.features.backend not in _UNQUANTIZED_PINS.get(
-                moe_backend, {config.features.backend}):
-            raise Inexpressible(f"features.backend={config.features.backend}: vLLM's unquantized moe_backend="
-                                f"{moe_backend} names another kernel (oracle/unquantized.py:180-194)")
-        if vllm_family(config) == "unquantized" and moe_backend != "auto" and config.features.lora:
-            raise Inexpressible("a pin on an unquantized LoRA layer: vLLM's LoRA branch returns before reading "
-                                "moe_backend (oracle/unquantized.py:234-248)")
         switches = _switches(config)
         refusal = _dispatcher_refusal(config)
         if refusal:     # vLLM's selection would pick experts for a dispatcher it cannot build

@@ -89,3 +89,15 @@ def test_a_vllm_class_named_by_two_components_is_a_load_error(tmp_path):
     with pytest.raises(RuleSetError, match=r"99-extra.yaml:\d+:\d+: \[triton_again\] vLLM class 'TritonExperts' is already used at "
                                            r"\S*10-components.yaml:\d+"):
         load_rules(out)
+
+
+def test_a_pin_vllm_replaces_is_charged_to_the_pin_policy(oracle):
+    """vLLM's unquantized LoRA branch returns Triton before it reads moe_backend (oracle/unquantized.py:234-248);
+    we honour a pin or refuse the layer."""
+    pinned = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096},
+                       platform={"vendor": "cuda", "arch": "sm_90", "packages": FULL},
+                       features={"lora": True, "backend": "flashinfer_cutlass"})
+    row = conformance.Conformance(load_rules(None), oracle).compare(Cell("lora-pin", pinned))
+    assert (row.ours, row.theirs, row.verdict, row.rules) == ("unsupported", "triton", "deviation",
+                                                             conformance.PIN_POLICY)
+    assert row.violations == "pin_replaced"

@@ -113,7 +113,6 @@ _PACKAGE_PROBES: dict[str, Package] = {
     "has_moonep": Package.moonep,
     "has_b12x": Package.b12x,
     "has_hpc": Package.hpc,
-    "has_zentorch_op": Package.zentorch,
 }
 # Probes of vLLM's own compiled extension (`_custom_ops`): present with the vllm_cutlass package,
 # answering for the architectures a full build compiles (csrc/quantization/cutlass_w8a8/scaled_mm_entry.cu).
@@ -147,6 +146,11 @@ class _Machine:
             for name, package in _PACKAGE_PROBES.items():
                 if callable(vars(module).get(name)):
                     setattr(module, name, probe(package))
+            if callable(vars(module).get("has_zentorch_op")):
+                # zentorch is a CPU build of torch ops: its ops exist only on a CPU platform, although
+                # vLLM's zentorch experts ask only for the ops (experts/zentorch_moe.py:66, cpu_moe.py:1530).
+                module.has_zentorch_op = lambda *args, **kwargs: (Package.zentorch in self.packages
+                                                                  and self._platform_key[0] == Vendor.cpu)
         for name, supported in _COMPILED_PROBES.items():
             setattr(custom_ops, name, lambda cc, supported=supported: Package.vllm_cutlass in self.packages
                     and supported(cc))

@@ -88,6 +88,7 @@ _PACKAGE_PROBES: dict[str, Package] = {
     "has_mori": Package.mori,
     "has_aiter": Package.aiter,
     "has_humming": Package.humming,
+    "has_hpc": Package.hpc,
     "has_moonep": Package.moonep,
 }
 # Probes of vLLM's own compiled extension (`_custom_ops`): present with the vllm_cutlass package,
@@ -198,6 +199,7 @@ def _import_selection_modules() -> list:
                     "vllm.model_executor.layers.fused_moe.prepare_finalize"):
         module = importlib.import_module(package)
         names += [f"{package}.{info.name}" for info in pkgutil.iter_modules(module.__path__)]
+    names.append("vllm.model_executor.layers.fused_moe.hpc_moe")   # HPC's experts live outside experts/
     imported = []
     for name in names:
         try:

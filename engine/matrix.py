@@ -93,6 +93,10 @@ VARIATIONS: dict[str, dict] = {
     # a multiple of 128 but not 256, of 64 but not 128, of 32 but not 64.
     **{f"hidden={h}": {"model": {"hidden_size": h}} for h in (2176, 2112, 2080)},
     **{f"intermediate={i}": {"model": {"intermediate_size": i}} for i in (2176, 2112, 2080)},
+    # vLLM 0.33 runs AITER's FP8 experts (the only experts MoRI pairs with) only with VLLM_ROCM_USE_AITER=1.
+    "a2a=mori+switch=rocm_use_aiter=on": {
+        "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
+        "switches": {"rocm_use_aiter": "on"}},
     "a2a=deepep_low_latency+without=triton": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},

@@ -110,6 +110,7 @@ _PACKAGE_PROBES: dict[str, Package] = {
     "has_mori": Package.mori,
     "has_aiter": Package.aiter,
     "has_humming": Package.humming,
+    "has_hpc": Package.hpc,
     "has_moonep": Package.moonep,
     "has_b12x": Package.b12x,
     "has_hpc": Package.hpc,
@@ -228,6 +229,7 @@ def _import_selection_modules() -> None:
                     "vllm.model_executor.layers.fused_moe.prepare_finalize"):
         module = importlib.import_module(package)
         names += [f"{package}.{info.name}" for info in pkgutil.iter_modules(module.__path__)]
+    names.append("vllm.model_executor.layers.fused_moe.hpc_moe")   # HPC's experts live outside experts/
     for name in names:
         with contextlib.suppress(ImportError):   # a dispatcher whose package (deep_ep, mori ...) is absent
             importlib.import_module(name)

@@ -107,8 +107,9 @@ def test_lora_never_sees_quantized_activations(rules_without):
 def test_aiter_expects_unquantized_inputs_unless_behind_mori(rules_without):
     fp8 = {"family": "fp8_w8a8", "weight_granularity": "channel"}
     packages = rocm("gfx942", "aiter", "mori")
-    behind_mori = config(quant=fp8, platform=packages, parallel=mori_ep())
-    local = config(quant=fp8, platform=packages)
+    aiter_on = {"rocm_use_aiter": "on"}   # vLLM 0.33 runs AITER's FP8 experts only with VLLM_ROCM_USE_AITER=1
+    behind_mori = config(quant=fp8, platform=packages, parallel=mori_ep(), switches=aiter_on)
+    local = config(quant=fp8, platform=packages, switches=aiter_on)
     mori_decision, local_decision = decide(behind_mori), decide(local)
     assert (mori_decision.backend, mori_decision.prepare_finalize) == ("aiter", "mori")
     assert mori_decision.quant.expects_unquantized_inputs is False
@@ -120,7 +121,8 @@ def test_aiter_expects_unquantized_inputs_unless_behind_mori(rules_without):
 
 def test_mori_fp8_dispatch_quantizes_before_the_network_unless_experts_defer(rules_without):
     fp8 = {"family": "fp8_w8a8", "weight_granularity": "channel"}
-    cfg = config(quant=fp8, platform=rocm("gfx942", "aiter", "mori"), parallel=mori_ep())
+    cfg = config(quant=fp8, platform=rocm("gfx942", "aiter", "mori"), parallel=mori_ep(),
+                 switches={"rocm_use_aiter": "on"})
     quant = decide(cfg).quant
     assert (quant.quantized_by, quant.dispatch_dtype, quant.scale_dim, quant.scale_type_size) == (
         QuantizedBy.dispatcher, "fp8_e4m3", 1, 4)

@@ -67,6 +67,7 @@ VARIATIONS: dict[str, dict] = {
     "bias": {"model": {"has_bias": True}},
     "batch_invariant": {"features": {"batch_invariant": True}},
     "eplb": {"parallel": {"eplb": True}},
+    "lora+eplb": {"features": {"lora": True}, "parallel": {"eplb": True}},
     "no_grouped_mm": {"platform": {"torch_grouped_mm": False}},
     "hidden=2880": {"model": {"hidden_size": 2880}},
     "intermediate=2880": {"model": {"intermediate_size": 2880}},

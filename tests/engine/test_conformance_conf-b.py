@@ -59,7 +59,7 @@ CASES = [
      "triton", "fp8.order.w8a16.sm90", None),
     ("int8_w8a16_on_rocm",
      _config("rocm", "gfx942", ROCM_VLLM, {"family": "int8_w8a16"}),
-     "triton", "int8.order.w8a16", None),
+     "triton", "priority.int8_w8a16.gpu", None),
     ("int8_swigluoai_on_cpu",
      _config("cpu", "x86_64", CPU_VLLM, {"family": "int8_w8a8"}, model={"activation": "swigluoai"}),
      "torch_reference", "int8.order.cpu", None),

@@ -288,6 +288,14 @@ class Switches(_Record):
     use_deep_gemm: Switch = Field(Switch.unset, description="VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM: on forces "
                                                             "DeepGEMM for FP8, off removes it.")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value):
+        """YAML 1.1 reads a bare `on`/`off` as a boolean: take it as the switch it was written as."""
+        if isinstance(value, bool):
+            return Switch.on if value else Switch.off
+        return value
+
 
 class Features(BaseModel):
     model_config = _FROZEN

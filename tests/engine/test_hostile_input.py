@@ -160,3 +160,13 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
     path.write_text("model: mixtral-8x7b\nplatfrom: {vendor: cuda}\n")
     error = config_error(path)
     assert (error.line, error.col, error.hint) == (2, 1, "did you mean 'platform'?")
+
+
+def test_a_switch_written_as_bare_yaml_on_or_off_is_that_switch(tmp_path):
+    """YAML 1.1 reads `on`/`off` as booleans; a config author means the switch."""
+    path = tmp_path / "aiter.yaml"
+    path.write_text("model: gpt-oss-120b\nplatform: {vendor: rocm, arch: gfx950, packages: [triton, aiter]}\n"
+                    "switches: {rocm_use_aiter: on, use_deep_gemm: off}\n")
+    assert main(["decide", str(path)]) == 0
+    config = build_config(make_parser().parse_args(["decide", str(path)]))
+    assert (config.switches.rocm_use_aiter.value, config.switches.use_deep_gemm.value) == ("on", "off")

@@ -124,6 +124,9 @@ def cells(backends: Iterable[str]) -> Iterator[Cell]:
         yield _cell(platform, quant, parallel, lora, align, activation, packages, "auto")
     for platform, quant, align, pin in itertools.product(PLATFORMS, QUANTS, ALIGNMENTS, sorted(backends)):
         yield _cell(platform, quant, "single", False, align, "silu", "all", pin)
+    # An intermediate size that is a multiple of 32 but not 64: the round-ups of pin-only backends act here.
+    for platform, quant, pin in itertools.product(PLATFORMS, QUANTS, sorted(backends)):
+        yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "intermediate=2080")
     for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
 

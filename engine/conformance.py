@@ -254,6 +254,7 @@ def report_markdown(summary: Summary, rules_hash: str, vllm_version: str, limit:
             agree, deviation, disagree, compared = summary.agreement(group)
             lines.append(f"| {family} | {platform} | {compared} | {_percent(agree, compared)} | {deviation} | "
                          f"{disagree} |")
+    lines += _deviation_counts(rows)
     lines += _violations_section(rows)
     for title, verdict in (("Disagreements", Verdict.disagree), ("Named deviations", Verdict.deviation)):
         groups = summary.disagreements(verdict)
@@ -278,4 +279,13 @@ def _violations_section(rows: Sequence[Comparison]) -> list[str]:
              "| invariant | vLLM's component | configs | example |", "|---|---|---|---|"]
     for (violation, theirs), group in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         lines.append(f"| {violation} | {theirs} | {len(group)} | `{group[0].cell}` |")
+    return lines
+
+
+def _deviation_counts(rows: Sequence[Comparison]) -> list[str]:
+    """How many configs each named deviation (or our pin policy) accounts for."""
+    counts = Counter(rule for row in rows if row.verdict == Verdict.deviation for rule in row.rules.split())
+    lines = ["", f"## Configs each named deviation accounts for ({len(counts)} rules)", "",
+             "| rule | configs |", "|---|---|"]
+    lines += [f"| {rule} | {count} |" for rule, count in counts.most_common()]
     return lines

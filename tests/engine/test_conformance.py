@@ -73,6 +73,7 @@ def test_report_and_csv_round_trip():
     assert "| auto | 2 | 1 | 0 | 1 | 50.0% |" in report
     assert "| pinned | 1 | 0 | 1 | 0 | 100.0% |" in report
     assert "| 1 | priority.x | triton | marlin | experts/marlin_moe.py:681 | `b` |" in report
+    assert "## Configs each named deviation accounts for (1 rules)\n\n| rule | configs |\n|---|---|\n| marlin.bias | 1 |" in report
 
 
 def test_check_without_a_committed_report_says_how_to_make_one(tmp_path, capsys):

@@ -35,11 +35,10 @@ def rss_mb() -> float:
 def versions(count: int, engine: str, config: MoEConfig) -> None:
     folder = Path(tempfile.mkdtemp(prefix="moerules-versions-")) / "rules"
     shutil.copytree(default_rules_dir(), folder)
-    priority = folder / "50-priority.yaml"
-    original = priority.read_text()
+    edited = folder / "99-version.yaml"   # one more rule per version: a new content hash each time
     for version in range(1, count + 1):
-        priority.write_text(original + f"\n# version {version}\n  - id: v{version}\n    when: model.top_k > {version + 10000}"
-                            "\n    demote: [triton]\n")
+        edited.write_text(f"version: 1\npriorities:\n  - id: v{version}\n    when: model.top_k > {version + 10000}"
+                          "\n    demote: [triton]\n")
         decide_module.decide(config, rules=folder, engine=engine)
         if version in (1, 10, 50, 100, count) or version % 100 == 0:
             gc.collect()

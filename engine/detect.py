@@ -7,7 +7,7 @@ import platform as _host
 
 import os
 
-from moerules.config import Package, Platform, Switch, Switches, Vendor
+from moerules.config import SWITCH_VARIABLES, Package, Platform, Switch, Switches, Vendor
 
 # Which importable module proves a kernel package is present.
 _PROBES = {
@@ -18,15 +18,12 @@ _PROBES = {
     Package.moonep: "moonep", Package.vllm: "vllm", Package.b12x: "b12x", Package.hpc: "hpc",
     Package.zentorch: "zentorch_op", Package.vllm_cpu: "vllm._C",
 }
-# The environment variables behind each switch (vLLM reads either DeepGEMM variable).
-_SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_moe": ("VLLM_ROCM_USE_AITER_MOE",),
-                     "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
 
 
 def detect_switches(environ=os.environ) -> Switches:
     """vLLM's switches as this process's environment sets them (vllm/envs.py parses "1"/"true" as on)."""
     values = {}
-    for field, variables in _SWITCH_VARIABLES.items():
+    for field, variables in SWITCH_VARIABLES.items():
         given = [environ[name].strip().lower() for name in variables if name in environ]
         if given:
             values[field] = Switch.on if all(value in ("1", "true") for value in given) else Switch.off

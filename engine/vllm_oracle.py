@@ -23,7 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from moerules.config import MoEConfig, Package, Vendor
+from moerules.config import SWITCH_VARIABLES, MoEConfig, Package, Vendor
 from moerules.errors import MoeRulesError
 
 VLLM_VERSION = "0.33.0"
@@ -464,10 +464,6 @@ def _selection(config: MoEConfig, moe: object) -> Callable[[], tuple]:
     raise Inexpressible(f"quant.family={family} has no vLLM select function")
 
 
-# Our switch fields -> the VLLM_* variables vLLM reads for them (vllm/envs.py).
-_SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_moe": ("VLLM_ROCM_USE_AITER_MOE",),
-                     "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
-
 
 # Variables selection also reads that no config field models: always unset (vLLM's defaults), so the
 # host's environment cannot leak into an answer.
@@ -480,7 +476,7 @@ def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
     """The VLLM_* environment vLLM's selection reads; unset where the config leaves vLLM's default."""
     values: dict[str, Optional[str]] = dict.fromkeys(_DEFAULTED_VARIABLES)
     values["VLLM_BATCH_INVARIANT"] = "1" if config.features.batch_invariant else None
-    for field, variables in _SWITCH_VARIABLES.items():
+    for field, variables in SWITCH_VARIABLES.items():
         switch = getattr(config.switches, field).value
         values.update((name, None if switch == "unset" else "1" if switch == "on" else "0") for name in variables)
     return values

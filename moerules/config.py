@@ -280,6 +280,11 @@ class Switch(str, Enum):
     off = "off"
 
 
+# The environment variables behind each switch field (vllm/envs.py; vLLM reads either DeepGEMM variable).
+SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_moe": ("VLLM_ROCM_USE_AITER_MOE",),
+                    "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
+
+
 class Switches(_Record):
     """vLLM's environment switches that change the kernel decision; `detect()` reads them."""
 

@@ -170,3 +170,10 @@ def test_a_switch_written_as_bare_yaml_on_or_off_is_that_switch(tmp_path):
     assert main(["decide", str(path)]) == 0
     config = build_config(make_parser().parse_args(["decide", str(path)]))
     assert (config.switches.rocm_use_aiter.value, config.switches.use_deep_gemm.value) == ("on", "off")
+
+
+def test_detect_reads_vllms_switch_variables_into_the_config():
+    from moerules.engine.detect import detect_switches
+    switches = detect_switches({"VLLM_ROCM_USE_AITER": "1", "VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "0"})
+    assert (switches.rocm_use_aiter.value, switches.rocm_use_aiter_moe.value, switches.use_deep_gemm.value) == (
+        "on", "unset", "off")   # DeepGEMM is on only where every variable vLLM reads says so

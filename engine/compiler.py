@@ -5,12 +5,14 @@ silently, or fatally, is made impossible here:
 - every pattern carries a type tag (`t`), because the engine's own state is a fact too;
 - negation is pushed into the comparisons (an expression-level `$not` never fires);
 - `in` becomes `$or` of equalities (durable has no `$in`);
-- there is no negated pattern at all (durable never revises negation): eligibility is a
-  `$nex` test on one fact listing the rejected components, asserted from outside once the
-  rejections are known;
+- there is no negated pattern at all (durable never revises negation): a component is
+  eligible when no rule rejected it, which the evaluator reads off the rejections;
 - `backend.*` capabilities are resolved per backend at compile time, so no rule joins a
   backend table at run time, and rules whose conditions come out identical (one
   constraint over many backends) share one durable rule, fired once;
+- a condition that one config could match along several paths is split into disjoint
+  cases (disjoint.py): durable fires once per matching path, and firings are the largest
+  cost of a decision;
 - every rule is priced against durable's fixed capacities (`capacity.py`) and the rules of
   one fact type are packed into shards that stay inside them; each shard is its own copy
   of the fact (`s`), so no assert can overflow durable's stack or child tables however
@@ -19,7 +21,6 @@ silently, or fatally, is made impossible here:
 
 Facts, each asserted from outside once the previous ones have quiesced:
     cfg           one per shard: the config          -> reject / priority / dispatch rules
-    rej           one per chunk of components         -> `eligible` rules (absent = not rejected)
     placement     config + plan.backend/dispatcher    -> plan rules of the placement stage
     quantization  ... + plan.expects_unquantized_inputs -> plan rules of the quantization stage
 """
@@ -28,36 +29,33 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Iterable, Optional, Union
 
 from moerules.decision import SourceRef
 from moerules.errors import RuleFileError, RuleSetError
 from moerules.engine import capacity
+from moerules.engine.disjoint import Known, cases, fold, holds
 from moerules.engine.expr import And, Cmp, Expr, In, Not, Or, normalize
 from moerules.engine.rulefile import Backend
 from moerules.engine.ruleset import Rule, RuleSet
 
-CFG, REJECT = "cfg", "rej"
+CFG = "cfg"
 STAGES = ("placement", "quantization")
 TAG, GROUP, SHARD = "t", "g", "s"  # reserved property names of every fact we assert
 # Each shard is an `s` equality test and each group of shards a `g` test: durable holds 511
 # children per node, so shards come in groups of at most this many (and groups likewise).
 SHARDS_PER_GROUP = capacity.CHILD_SLOTS - 11
 _OPS = {"!=": "$neq", "<": "$lt", "<=": "$lte", ">": "$gt", ">=": "$gte"}
-# Components per `rej` fact: each eligibility test is a `$nex` node that is pushed when it
-# matches, so one fact may carry only as many as a shard's stack budget.
-CHUNK = capacity.SHARD_STACK - 12
-
 
 @dataclass(frozen=True)
 class Firing:
     """What a matched condition means in rule-file terms."""
 
-    name: str                   # trace name: "start", "<id>@<component>", "eligible@<component>", or the id
+    name: str                   # trace name: "start", "<id>@<component>", or the id
     rule_id: str                # the rule-file id it came from
-    kind: str                   # start | reject | priority | dispatch | eligible | plan
-    target: Optional[str]       # the component a reject/eligible firing is about
+    kind: str                   # start | reject | priority | dispatch | plan
+    target: Optional[str]       # the component a reject firing is about
     source: Optional[SourceRef]
 
 
@@ -90,10 +88,6 @@ class CompiledRule:
         return tuple(firing.target for firing in self.rejects)
 
     @cached_property
-    def eligible(self) -> tuple[str, ...]:
-        return tuple(firing.target for firing in self.firings if firing.kind == "eligible")
-
-    @cached_property
     def cost(self) -> capacity.Cost:
         return price_of(tuple(self.condition["$and"][len(head(self.tag, self.shard)):]))
 
@@ -101,12 +95,11 @@ class CompiledRule:
 class CompiledRules:
     """A compiled rule set: durable rules by name, and the shards of each fact type."""
 
-    def __init__(self, ruleset: RuleSet, rules: list[CompiledRule], chunks: list[tuple[str, ...]]):
+    def __init__(self, ruleset: RuleSet, rules: list[CompiledRule]):
         self.ruleset = ruleset
         self.hash = ruleset.hash
         self.rules = {rule.name: rule for rule in rules}
-        # The `rej` fact flags a rejected component X as `b<i>` (i: X's index; ids may contain dots).
-        self.flags = {name: f"b{index}" for index, name in enumerate(n for chunk in chunks for n in chunk)}
+        self.components = frozenset(ruleset.backends) | frozenset(ruleset.dispatchers)
         # Per fact type, the fields each shard's rules read: a fact carries only those, since
         # durable's cost of an assert grows with the properties of the fact.
         reads: dict[str, dict[int, set[str]]] = {}
@@ -123,8 +116,6 @@ class CompiledRules:
 
 
 def compile_rules(ruleset: RuleSet) -> CompiledRules:
-    components = list(ruleset.backends) + list(ruleset.dispatchers)
-    chunks = [tuple(components[i:i + CHUNK]) for i in range(0, len(components), CHUNK)]
     conditions: dict[str, dict] = {}  # tag -> {condition text: (conjuncts, [firings])}: identical ones merge
     _add(conditions, CFG, True, Firing("start", "start", "start", None, None))
     for rule in ruleset.constraints:
@@ -137,12 +128,11 @@ def compile_rules(ruleset: RuleSet) -> CompiledRules:
         _add(conditions, rule.item.set.stage.value, _plan_condition(rule), Firing(rule.id, rule.id, "plan", None,
                                                                                     rule.source))
     compiled = [rule for tag, entries in conditions.items() for rule in _shards(tag, list(entries.values()))]
-    compiled += _eligibility(chunks)
     compiled = [replace(rule, name=f"r{index}") for index, rule in enumerate(compiled)]
     if len(compiled) > capacity.RULE_SLOTS:
         raise _whole_set_error(ruleset, f"the rule set compiles to {len(compiled)} durable rules; durable-rules holds "
                                f"{capacity.RULE_SLOTS}", "merge rules with equal conditions, or split the rule set")
-    result = CompiledRules(ruleset, compiled, chunks)
+    result = CompiledRules(ruleset, compiled)
     widest = max(len(paths) for shards in result.reads.values() for paths in shards)
     if widest + 4 > capacity.FACT_PROPERTIES:  # + sid, t, g, s
         raise _whole_set_error(ruleset, f"a fact would carry {widest + 4} properties; durable-rules holds "
@@ -151,9 +141,24 @@ def compile_rules(ruleset: RuleSet) -> CompiledRules:
 
 
 def _add(conditions: dict, tag: str, condition: Union[Expr, bool], firing: Firing) -> None:
-    body = () if condition is True else _conjuncts(_to_json(condition))
-    entry = conditions.setdefault(tag, {}).setdefault(json.dumps(body, sort_keys=True), (body, []))
-    entry[1].append(firing)
+    """One durable rule per disjoint case of the condition (disjoint.py), each standing for `firing`."""
+    for body in _bodies(condition):
+        entry = conditions.setdefault(tag, {}).setdefault(json.dumps(body, sort_keys=True), (body, []))
+        entry[1].append(firing)
+
+
+@lru_cache(maxsize=4096)  # a constraint over many components mostly folds to one condition for all
+def _bodies(condition: Union[Expr, bool]) -> tuple[tuple, ...]:
+    """The conjuncts of each case of a condition; the condition whole where a case would not fit."""
+    if condition is True:
+        return ((),)
+    whole = _conjuncts(_to_json(condition))
+    bodies = tuple(_conjuncts(_to_json(case)) for case in cases(condition, _paths_through))
+    return (whole,) if any(price_of(body).excesses() for body in bodies) else bodies
+
+
+def _paths_through(condition: Expr) -> int:
+    return price_of(_conjuncts(_to_json(condition))).paths
 
 
 def _whole_set_error(ruleset: RuleSet, message: str, hint: str) -> RuleSetError:
@@ -168,7 +173,7 @@ def _violations(rule: Rule, ruleset: RuleSet) -> Iterable[tuple[str, Union[Expr,
     violated = normalize(And(tuple(e for e in (rule.when, Not(rule.require)) if e is not None)))
     for target in targets:
         declared = ruleset.backends.get(target)
-        condition = _fold(violated, declared.item if declared else None)
+        condition = fold(violated, _declared(declared.item if declared else None))
         if condition is not False:  # False: this backend satisfies the rule by declaration
             yield target, condition
 
@@ -194,13 +199,6 @@ class _Names:
     names: tuple[str, ...]
 
 
-def _eligibility(chunks: list[tuple[str, ...]]) -> list[CompiledRule]:
-    """`eligible@X` fires when the `rej` fact of X's chunk has no `b<i>` property (i: X's index)."""
-    return [CompiledRule("", REJECT, shard, _tagged(REJECT, shard, ({"$nex": {f"b{shard * CHUNK + index}": 1}},)),
-                         (Firing(f"eligible@{name}", "eligible", "eligible", name, None),))
-            for shard, names in enumerate(chunks) for index, name in enumerate(names)]
-
-
 def _shards(tag: str, entries: list) -> list[CompiledRule]:
     """Pack the conditions of one fact type, in rule order, into shards within durable's limits."""
     compiled, shard, spent = [], 0, None
@@ -224,29 +222,14 @@ def _too_big(firing: Firing, problems: list[str]) -> RuleFileError:
 
 
 # -- expressions ------------------------------------------------------------------------------
-def _fold(expr: Expr, backend: Optional[Backend]) -> Union[Expr, bool]:
-    """Resolve `backend.*` tests against a backend's declaration; simplify constants away."""
-    if isinstance(expr, (Cmp, In)):
-        if expr.field.fact != "backend":
-            return expr
-        actual = getattr(backend, expr.field.path.split(".", 1)[1])
-        actual = actual.value if hasattr(actual, "value") else actual
-        if isinstance(expr, In):
-            return (actual in expr.values) != expr.negated
-        return _compare(actual, expr.op, expr.value)
-    items = [_fold(item, backend) for item in expr.items]
-    absorbing = isinstance(expr, Or)  # True absorbs an Or, False absorbs an And
-    if absorbing in items:
-        return absorbing
-    rest = tuple(item for item in items if not isinstance(item, bool))
-    if not rest:
-        return not absorbing
-    return rest[0] if len(rest) == 1 else type(expr)(rest)
-
-
-def _compare(left, op: str, right) -> bool:
-    return {"==": left == right, "!=": left != right, "<": left < right, "<=": left <= right,
-            ">": left > right, ">=": left >= right}[op]
+def _declared(backend: Optional[Backend]) -> Known:
+    """The truth of `backend.*` tests, read from a backend's declaration."""
+    def known(test: Expr) -> Optional[bool]:
+        if not isinstance(test, (Cmp, In)) or test.field.fact != "backend":
+            return None
+        actual = getattr(backend, test.field.path.split(".", 1)[1])
+        return holds(test, actual.value if hasattr(actual, "value") else actual)
+    return known
 
 
 def _tagged(tag: str, shard: int, body: tuple) -> dict:

@@ -18,7 +18,8 @@ from moerules.decision import (Decision, ExpertPlacement, Outcome, Padding, Quan
                                ReasonCode, SelectedBy)
 from moerules.errors import BackendRejectedError, EngineError, RuleFileError, RuleSetError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
-from moerules.engine.evaluate import Evaluation, PhaseRunner, Rejections, effective_order, merged_plan, single
+from moerules.engine.evaluate import (Evaluation, PhaseRunner, Rejections, ShardMemo, effective_order, merged_plan,
+                                      single)
 from moerules.engine.expr import suggest
 from moerules.engine.loader import load_rules
 from moerules.engine.reference_runner import ReferenceRunner
@@ -38,6 +39,7 @@ class Engine:
         self.compiled: CompiledRules = compile_rules(ruleset)
         self.runner = _make_runner(self.compiled, engine)
         self.rejections = Rejections(self.compiled)
+        self.memo = ShardMemo()
         self._cache: OrderedDict[tuple, Decision] = OrderedDict()
         self._by_identity: dict[int, tuple[MoEConfig, Decision]] = {}
         self._lock = threading.Lock()
@@ -94,7 +96,8 @@ class Engine:
     def evaluate(self, config: MoEConfig) -> tuple[Decision, Evaluation]:
         """One uncached evaluation, with the facts the decision was assembled from (lint reads them)."""
         with self.runner.session() as session:
-            assembler = Assembler(self, config, PhaseRunner(self.compiled, session, config, self.rejections))
+            phases = PhaseRunner(self.compiled, session, config, self.rejections, self.memo)
+            assembler = Assembler(self, config, phases)
             return assembler.run(), assembler.evaluation
 
 

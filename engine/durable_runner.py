@@ -85,9 +85,9 @@ class _DurableSession:
         self._asserted: list[str] = []
         self.acted = acted  # an action has run in this sid (now or in an earlier decision)
 
-    def run(self, tag: str, bodies: list[dict]) -> list[str]:
-        """Assert one fact of `tag` per shard (bodies[i] in shard i) and drain the agenda: the
-        names of the rules they fired, each once."""
+    def run(self, tag: str, bodies: list[tuple[int, dict]]) -> list[str]:
+        """Assert the facts of `tag`, (shard, body) each, and drain the agenda: the names of the
+        rules they fired, each once."""
         # One assert_facts call for all shards: durable processes every fact of the array (its
         # result code says only whether some fact matched nothing, so it is not read) and
         # queues their actions in the sid, drained below.
@@ -95,7 +95,7 @@ class _DurableSession:
         # pattern, so one firing per name is the logical semantics.
         if not bodies:
             return []
-        array = json.dumps([{"sid": self.sid, **head(tag, shard), **body} for shard, body in enumerate(bodies)])
+        array = json.dumps([{"sid": self.sid, **head(tag, shard), **body} for shard, body in bodies])
         fired: dict[str, None] = {}
         try:
             code, state = _c.assert_facts(self.handle, array)

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from moerules.config import MoEConfig
 from moerules.decision import Rejection
 from moerules.errors import EngineError
-from moerules.engine.compiler import CFG, REJECT, CompiledRule, CompiledRules, Firing
+from moerules.engine.compiler import CFG, CompiledRule, CompiledRules, Firing
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
 from moerules.engine.ruleset import Rule
 
@@ -37,25 +37,24 @@ class Evaluation:
 class PhaseRunner:
     """Drives one session of a runner through the facts of a decision (see compiler.py)."""
 
-    def __init__(self, compiled: CompiledRules, session, config: MoEConfig, rejections: "Rejections"):
-        self.compiled, self.session, self.config, self.rejections = compiled, session, config, rejections
+    def __init__(self, compiled: CompiledRules, session, config: MoEConfig, rejections: "Rejections",
+                 memo: "ShardMemo"):
+        self.compiled, self.session, self.config, self.rejections, self.memo = (compiled, session, config,
+                                                                                rejections, memo)
         self.flat = config.facts()
         self.evaluation = Evaluation()
 
     def screen(self) -> Evaluation:
-        """The config, then the rejected components: rejections, eligible components, priority and dispatch rules."""
+        """The config: rejections, eligible components (those no rule rejected), priority and dispatch rules."""
         compiled, evaluation, flat = self.compiled, self.evaluation, self.flat
-        fired = self._run(CFG, flat)
-        flags = compiled.flags
-        fired += self._run(REJECT, {flags[name]: 1 for rule in fired for name in rule.rejected})
-        ranked, ids = [], set()
-        for rule in fired:  # ~100 rules at several times today's rule set: only what each carries
+        ranked, ids, rejected = [], set(), set()
+        for rule in self._run(CFG, flat):  # ~100 rules at several times today's rule set: only what each carries
             if rule.rejects:
                 ranked += self.rejections.of(rule, flat)
+                rejected.update(rule.rejected)
             if rule.selects:
                 ids.update(rule.selects)
-            if rule.eligible:
-                evaluation.eligible.update(rule.eligible)
+        evaluation.eligible = set(compiled.components - rejected)
         # Keep rule-file order, never firing order: durable fires matches in no documented order.
         evaluation.priority_rules = [r for r in compiled.ruleset.priorities if r.id in ids]
         evaluation.dispatch_rules = [r for r in compiled.ruleset.dispatch if r.id in ids]
@@ -70,13 +69,58 @@ class PhaseRunner:
         return sorted(map(self.compiled.ruleset.rule, ids), key=self.compiled.ruleset.position)
 
     def _run(self, tag: str, values: dict) -> list[CompiledRule]:
-        """Assert a fact of `tag` in each of its shards, with the fields that shard reads; the rules it fired."""
-        compiled = self.compiled
-        bodies = [{path: values[path] for path in reads if path in values} for reads in compiled.reads.get(tag, ())]
-        fired = [compiled.rules[name] for name in self.session.run(tag, bodies)]
+        """The rules a fact of `tag` fires in each of its shards: remembered where the shard saw the
+        same fields before, else asserted with the fields that shard reads."""
+        compiled, memo = self.compiled, self.memo
+        names: list[str] = []
+        unseen: list[tuple[int, tuple, dict]] = []
+        for shard, reads in enumerate(compiled.reads.get(tag, ())):
+            key = (tag, shard, *[values.get(path, _ABSENT) for path in reads])
+            seen = memo.get(key)
+            if seen is None:
+                unseen.append((shard, key, {path: values[path] for path in reads if path in values}))
+            else:
+                names += seen
+        if unseen:
+            by_shard: dict[int, list[str]] = {shard: [] for shard, _, _ in unseen}
+            for name in self.session.run(tag, [(shard, body) for shard, _, body in unseen]):
+                by_shard[compiled.rules[name].shard].append(name)
+            for shard, key, _ in unseen:
+                memo.put(key, tuple(by_shard[shard]))
+                names += by_shard[shard]
+        fired = [compiled.rules[name] for name in names]
         for rule in fired:
             self.evaluation.fired += rule.trace
         return fired
+
+
+_ABSENT = object()  # a field a fact does not carry (the plan fields outside plan stages)
+
+
+class ShardMemo:
+    """The rules each shard fired, by the values of the fields it reads.
+
+    A compiled rule has one pattern on one shard's fact and no rule asserts a fact, so what a
+    shard fires depends on those fields alone. Configs that differ in a few fields (the cells
+    of a matrix, the layers of a model, lint's coverage configs) assert only the shards that
+    read them; the first sight of every shard's fields runs the engine as before.
+    """
+
+    _SIZE = 1 << 15  # entries kept; past it the table starts over (bounded memory)
+
+    def __init__(self):
+        self._fired: dict[tuple, tuple[str, ...]] = {}
+
+    def get(self, key: tuple) -> Optional[tuple[str, ...]]:
+        return self._fired.get(key)
+
+    def put(self, key: tuple, names: tuple[str, ...]) -> None:
+        if len(self._fired) >= self._SIZE:
+            self._fired.clear()
+        self._fired[key] = names
+
+    def clear(self) -> None:
+        self._fired.clear()
 
 
 class Rejections:

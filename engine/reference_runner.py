@@ -63,10 +63,10 @@ class _ReferenceSession:
     def __init__(self, runner: ReferenceRunner):
         self.runner = runner
 
-    def run(self, tag: str, bodies: list[dict]) -> list[str]:
-        """The rules one fact of `tag` per shard fires; no rule asserts facts, so nothing chains."""
+    def run(self, tag: str, bodies: list[tuple[int, dict]]) -> list[str]:
+        """The rules the facts of `tag`, (shard, body) each, fire; no rule asserts facts, so nothing chains."""
         fired = []
-        for shard, body in enumerate(bodies):
+        for shard, body in bodies:
             fact = {**head(tag, shard), **body}
             fired += [name for name, matches in self.runner.by_shard.get((tag, shard), ()) if matches(fact)]
         return fired

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from moerules.activation import Dtype
+from moerules.errors import KernelInputError
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
 from .lora import LoRAWeights
@@ -64,7 +65,24 @@ class MoEWeights:
                              "non-gated)")
         if (self.scheme.weight_dtype is None) != (self.w13_scale is None):
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
+        self._check_layout()
         self.check_lora()
+
+    def _check_layout(self) -> None:
+        """Every tensor on w13's device with a unit-stride last dimension: the kernels step over the other
+        dimensions by their strides but read along the last one contiguously (K for weights)."""
+        for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "a13_scale", "a2_scale"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.device != self.w13.device:
+                raise KernelInputError(f"MoEWeights.{name} is on {t.device}, w13 on {self.w13.device}; put every "
+                                       "tensor of a layer on one device")
+            if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise KernelInputError(f"MoEWeights.{name} {tuple(t.shape)} has strides {t.stride()}: its last "
+                                       "dimension must be contiguous (stride 1) in the layout of this module's doc; "
+                                       f"pass {name}.contiguous() (a transposed checkpoint tensor: transpose it "
+                                       "into that layout, then .contiguous())")
 
     def check_lora(self, lora: Optional[LoRAWeights] = None) -> None:
         """Raise ValueError unless `lora` (default: the attached adapters, if any) fits these weights as they are."""

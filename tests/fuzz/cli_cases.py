@@ -127,7 +127,8 @@ def bulk_case(rng: random.Random, files: Files, command: str) -> list[str]:
         poisons = {**workers, "--rules": [[r] for r in files.rules], "--cache": [[o] for o in files.bad_outputs[:3]]}
         return _poisoned(rng, ["lint"], poisons, {**cache_extras, "--rules": files.rules}, ["--json", "--quiet"])
     if command == "matrix":
-        poisons = {**workers, "--limit": [[v] for v in REFUSED["--limit"]], "--check": [["--out", g] for g in files.golden],
+        poisons = {**workers, "--limit": [[v] for v in REFUSED["--limit"]],
+                   "--check": [["--out", g] for g in files.golden],
                    "--out": [[o] for o in files.bad_outputs]}
         extras = {**cache_extras, "--rules": files.rules, "--engine": ["auto", "reference", "bogus"]}
         return _poisoned(rng, ["matrix"], poisons, extras, ["--quiet", "--no-cache"])

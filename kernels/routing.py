@@ -77,8 +77,7 @@ def validate_topk(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tok
     check_topk_dtypes(topk_ids=topk_ids, topk_weights=topk_weights)
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
         raise KernelInputError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                               "must both "
-                         f"be [num_tokens={num_tokens}, top_k]")
+                               f"must both be [num_tokens={num_tokens}, top_k]")
     if topk_ids.numel() and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:

@@ -18,7 +18,7 @@ from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError
 from moerules.engine.loader import structure_error
 from moerules.engine.textfile import is_folder, is_regular_file, read_text
 from moerules.engine.yamlsource import YamlDocument
-from moerules.limits import MAX_RUN_TOKENS, MAX_SEED, MAX_TABLE_BYTES
+from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS, MAX_SEED, MAX_TABLE_BYTES
 from moerules.presets import PRESETS, preset
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
@@ -198,15 +198,14 @@ def cmd_schema(args) -> int:
     from moerules.engine import schema_export
     from moerules.resources import schema_dir
     out = Path(args.out) if args.out else schema_dir()
-    if args.check and not is_folder(out):
-        raise InputError(f"{out}: no such folder; give --out the folder the schema files were written to")
-    if not args.check:
-        _check_writable_folder(out)
     if args.check:
+        if not is_folder(out):
+            raise InputError(f"{out}: no such folder; give --out the folder the schema files were written to")
         stale = schema_export.stale(out)
         for name in stale:
             print(f"{out / name}: stale; run `moerules schema` and commit the result")
         return INVALID if stale else OK
+    _check_writable_folder(out)
     for path in schema_export.write(out):
         print(f"wrote {path}")
     return OK
@@ -532,7 +531,8 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=SEED, default=0)
     run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     run.add_argument("--max-gib", type=positive_number, default=None,
-                     help="largest weight footprint to generate, in GiB (default 8 on a CPU; a GPU's free memory)")
+                     help=f"largest weight footprint to generate, in GiB (default {DEFAULT_CPU_RUN_GIB:g} on a CPU; "
+                          "a GPU's free memory)")
     run.set_defaults(func=cmd_run)
     for sub in commands.choices.values():  # `moerules decide x --debug` as well as `moerules --debug decide x`
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

@@ -7,22 +7,61 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pydantic import ValidationError
 
 from moerules.config import MoEConfig
-from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError
+from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError, TableFileError
 from moerules.engine.loader import structure_error
+from moerules.engine.textfile import is_folder, is_regular_file, read_text
 from moerules.engine.yamlsource import YamlDocument
+from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS, MAX_SEED, MAX_TABLE_BYTES
 from moerules.presets import PRESETS, preset
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
+INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 
 class InputError(Exception):
     """Bad command-line input; printed without a traceback, exit code 2."""
+
+
+# -- reading and writing the files a command names ------------------------------------------
+def _read_table(path: Path, parse: Callable[[str, str], dict], *, missing: str, regenerate: str) -> dict:
+    """A golden table this tool wrote, parsed; any unreadable or foreign file is a TableFileError."""
+    if not is_regular_file(path):
+        raise InputError(f"{path}: {missing}; run `{regenerate}` and commit it")
+    hint = f"regenerate it with `{regenerate}` and commit it"
+    text = read_text(path, str(path), TableFileError, limit=MAX_TABLE_BYTES, split_hint=hint)
+    return parse(text, str(path))
+
+
+def _check_writable_folder(out: Path) -> None:
+    """Create `out` if needed and prove a file can be written there, before any long computation."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except (OSError, ValueError) as error:
+        raise InputError(f"{out}: cannot write output files there ({_os_reason(error)})") from None
+
+
+def _check_writable_file(path: Path) -> None:
+    """`path` can be (over)written: an existing regular file, or a new name in a writable folder."""
+    if is_folder(path):
+        raise InputError(f"{path}: is a folder; give a file name")
+    if is_regular_file(path):
+        if not os.access(path, os.W_OK):
+            raise InputError(f"{path}: cannot write output file there (permission denied)")
+        return
+    _check_writable_folder(path.parent)
+
+
+def _os_reason(error: Exception) -> str:
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error)
 
 
 # -- building a config ----------------------------------------------------------------------
@@ -160,10 +199,13 @@ def cmd_schema(args) -> int:
     from moerules.resources import schema_dir
     out = Path(args.out) if args.out else schema_dir()
     if args.check:
+        if not is_folder(out):
+            raise InputError(f"{out}: no such folder; give --out the folder the schema files were written to")
         stale = schema_export.stale(out)
         for name in stale:
             print(f"{out / name}: stale; run `moerules schema` and commit the result")
         return INVALID if stale else OK
+    _check_writable_folder(out)
     for path in schema_export.write(out):
         print(f"wrote {path}")
     return OK
@@ -175,7 +217,7 @@ def cmd_run(args) -> int:
     print(decision.describe())
     if decision.outcome.value != "selected":
         return UNSUPPORTED
-    report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device)
+    report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device, max_gib=args.max_gib)
     for key, value in report.items():
         print(f"{key}: {value}")
     return OK
@@ -194,6 +236,8 @@ def _progress(args, total: int, label: str):
 def _pool_options(args, bar) -> dict:
     from moerules.engine.decision_cache import default_root
     root = None if args.no_cache else Path(args.cache) if args.cache else default_root()
+    if args.cache and not args.no_cache:
+        _check_writable_folder(root)
     return {"cache_root": root, "workers": args.workers, "progress": bar}
 
 
@@ -205,18 +249,21 @@ def _matrix_cells(ruleset) -> list:
 def cmd_matrix(args) -> int:
     from moerules.engine import matrix, matrix_html
     from moerules.engine.decide import engine_for
-    engine = engine_for(args.rules, args.engine)
     out = Path(args.out)
+    golden = out / "decisions.csv"
+    # Everything that can fail on the files fails before the matrix is decided (minutes).
+    committed = _read_table(golden, matrix.from_csv, missing="no golden matrix",
+                            regenerate=f"moerules matrix --out {out}") if args.check else None
+    if not args.check:
+        _check_writable_folder(out)
+    engine = engine_for(args.rules, args.engine)
     cells = _matrix_cells(engine.ruleset)
     if not args.quiet:
         print(f"moerules: deciding the matrix ({len(cells)} cells, {engine.name} engine)...", file=sys.stderr)
     with _progress(args, len(cells), "matrix") as bar:
         rows = matrix.build_rows(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
-    golden = out / "decisions.csv"
     if args.check:
-        if not golden.is_file():
-            raise InputError(f"{golden}: no golden matrix; run `moerules matrix --out {out}` and commit it")
-        changes = matrix.compare(matrix.from_csv(golden.read_text(encoding="utf-8")), {r["cell"]: r for r in rows})
+        changes = matrix.compare(committed, {r["cell"]: r for r in rows})
         for change in changes[:args.limit]:
             print(change.describe())
         if len(changes) > args.limit:
@@ -225,7 +272,6 @@ def cmd_matrix(args) -> int:
         if changes:
             print(f"the rules changed these cells; if intended, run `moerules matrix --out {out}` and commit")
         return INVALID if changes else OK
-    out.mkdir(parents=True, exist_ok=True)
     golden.write_text(matrix.to_csv(rows), encoding="utf-8")
     (out / "index.html").write_text(matrix_html.render({r["cell"]: r for r in rows}, engine.ruleset.hash),
                                     encoding="utf-8")
@@ -263,6 +309,8 @@ def cmd_mutate(args) -> int:
     from moerules.engine import mutate
     from moerules.engine.loader import load_rules
     ruleset = load_rules(args.rules)
+    if args.report:
+        _check_writable_file(Path(args.report))
 
     def progress(outcome, number, total):
         mark = "killed" if outcome.killed else "SURVIVED"
@@ -288,12 +336,14 @@ def cmd_conformance(args) -> int:
     ruleset = load_rules(args.rules)
     out = Path(args.out)
     committed = out / "conformance.csv"
+    golden = _read_table(committed, conformance.from_csv, missing="no committed conformance report",
+                         regenerate="moerules conformance") if args.check else None
+    if not args.check:
+        _check_writable_folder(out)
     cells = list(matrix.cells(ruleset.backends)) + list(matrix.random_cells(args.random, args.seed))
     if args.family:
         cells = [cell for cell in cells if vllm_family(cell.config) in args.family.split(",")]
     if args.check:
-        if not committed.is_file():
-            raise InputError(f"{committed}: no committed conformance report; run `moerules conformance` and commit it")
         cells = conformance.sample(cells, args.sample)
     if not args.quiet:
         print(f"moerules: importing vLLM {VLLM_VERSION}, then comparing {len(cells)} configs...", file=sys.stderr)
@@ -301,8 +351,7 @@ def cmd_conformance(args) -> int:
     with _progress(args, len(cells), "conformance") as bar:
         rows = conformance.compare_all(checker, cells, bar)
     if args.check:
-        return _check_conformance(conformance.from_csv(committed.read_text(encoding="utf-8")), rows, args.limit)
-    out.mkdir(parents=True, exist_ok=True)
+        return _check_conformance(golden, rows, args.limit)
     committed.write_text(conformance.to_csv(rows), encoding="utf-8")
     report = out / "conformance.md"
     report.write_text(conformance.report_markdown(conformance.Summary(rows), ruleset.hash, VLLM_VERSION),
@@ -324,6 +373,40 @@ def _check_conformance(committed: dict, rows: list, limit: int) -> int:
 
 
 # -- argument parsing -----------------------------------------------------------------------
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], else a one-line usage error naming the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value if len(str(value)) < 40 else str(value)[:40] + '...'} is out "
+                                             f"of range: give {low} to {high:,}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text[:40]} is out of range: give a number > 0")
+    return value
+
+
+SEED = bounded_int(0, MAX_SEED)
+WORKERS = bounded_int(1, 4096)
+LIMIT = bounded_int(0, 10 ** 9)
+RANDOM_CONFIGS = bounded_int(0, 10 ** 6)
+SAMPLE = bounded_int(1, 10 ** 9)
+DEBUG_HELP = "show the traceback of any error (for bug reports)"
+
+
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
     parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
@@ -361,13 +444,14 @@ def _bulk_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", metavar="DIR", help="decision cache folder (default: $MOERULES_CACHE_DIR, "
                                                         "else $XDG_CACHE_HOME/moerules/decisions)")
     parser.add_argument("--no-cache", action="store_true", help="decide every cell afresh; read and write no cache")
-    parser.add_argument("--workers", type=int, help="processes (default: every core this process may use)")
+    parser.add_argument("--workers", type=WORKERS, help="processes (default: every core this process may use)")
     parser.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal anyway)")
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
         " Decide, explain and run the fused-MoE kernel backend for a layer."))
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, func, text in (("decide", cmd_decide, "print the decision as one line (or --json)"),
                              ("explain", cmd_explain, "winner, alternatives and every rejection with rule and file:line")):
@@ -393,7 +477,7 @@ def make_parser() -> argparse.ArgumentParser:
     _rules_option(matrix)
     matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
-    matrix.add_argument("--limit", type=int, default=50, help="changed cells to print (default 50)")
+    matrix.add_argument("--limit", type=LIMIT, default=50, help="changed cells to print (default 50)")
     matrix.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],
                         help="evaluator; `--check --engine reference` is the engine differential over every cell")
     _bulk_arguments(matrix)
@@ -403,10 +487,11 @@ def make_parser() -> argparse.ArgumentParser:
                                            "matrix and random configs", epilog=_CACHE_HELP)
     diff.add_argument("old", help="rules folder/file or git ref (e.g. main, HEAD~1, v0.1:rules)")
     diff.add_argument("new", help="rules folder/file or git ref")
-    diff.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
-    diff.add_argument("--seed", type=int, default=0)
+    diff.add_argument("--random", type=RANDOM_CONFIGS, default=2000,
+                      help="random configs beyond the matrix (default 2000)")
+    diff.add_argument("--seed", type=SEED, default=0)
     diff.add_argument("--no-matrix", action="store_true", help="random configs only (quick)")
-    diff.add_argument("--limit", type=int, default=50, help="changes to print (default 50)")
+    diff.add_argument("--limit", type=LIMIT, default=50, help="changes to print (default 50)")
     diff.add_argument("--json", action="store_true")
     diff.add_argument("--fail-on-change", action="store_true", help="exit 1 when any decision changed (CI gate)")
     _bulk_arguments(diff)
@@ -414,10 +499,10 @@ def make_parser() -> argparse.ArgumentParser:
     mutate = commands.add_parser("mutate", help="delete/negate/weaken each rule; report mutants the matrix misses",
                                  description="rule mutation testing against the decision matrix")
     _rules_option(mutate)
-    mutate.add_argument("--sample", type=int, help="test a seeded sample of this many mutants")
-    mutate.add_argument("--seed", type=int, default=0)
+    mutate.add_argument("--sample", type=SAMPLE, help="test a seeded sample of this many mutants")
+    mutate.add_argument("--seed", type=SEED, default=0)
     mutate.add_argument("--report", help="write a markdown report here")
-    mutate.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    mutate.add_argument("--workers", type=WORKERS, default=os.cpu_count() or 1, help="processes (default: all cores)")
     mutate.add_argument("--json", action="store_true")
     mutate.set_defaults(func=cmd_mutate)
     conform = commands.add_parser(
@@ -427,33 +512,69 @@ def make_parser() -> argparse.ArgumentParser:
                     "responsible rule, and every named deviation")
     _rules_option(conform)
     conform.add_argument("--out", default="reports", help="folder for conformance.csv and conformance.md (default reports/)")
-    conform.add_argument("--random", type=int, default=2000, help="random configs beyond the matrix (default 2000)")
-    conform.add_argument("--seed", type=int, default=0)
+    conform.add_argument("--random", type=RANDOM_CONFIGS, default=2000,
+                         help="random configs beyond the matrix (default 2000)")
+    conform.add_argument("--seed", type=SEED, default=0)
     conform.add_argument("--family", help="only these vLLM select families, comma-separated: unquantized, fp8, "
                                           "int8, mxfp8, mxfp4, nvfp4, wna16, w4a8")
     conform.add_argument("--check", action="store_true",
                          help="re-check a sample against the committed report; exit 2 listing each changed config")
-    conform.add_argument("--sample", type=int, default=3000, help="configs --check re-runs (default 3000)")
-    conform.add_argument("--limit", type=int, default=50, help="changed configs to print (default 50)")
+    conform.add_argument("--sample", type=SAMPLE, default=3000, help="configs --check re-runs (default 3000)")
+    conform.add_argument("--limit", type=LIMIT, default=50, help="changed configs to print (default 50)")
     conform.add_argument("--quiet", action="store_true", help="no progress line")
     conform.set_defaults(func=cmd_conformance)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               description="decide, build the layer with seeded weights, run one forward pass")
     _config_arguments(run)
-    run.add_argument("--tokens", type=int, default=16, help="tokens in the forward pass (default 16)")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    run.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=16,
+                     help="tokens in the forward pass (default 16)")
+    run.add_argument("--seed", type=SEED, default=0)
+    run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    run.add_argument("--max-gib", type=positive_number, default=None,
+                     help=f"largest weight footprint to generate, in GiB (default {DEFAULT_CPU_RUN_GIB:g} on a CPU; "
+                          "a GPU's free memory)")
     run.set_defaults(func=cmd_run)
+    for sub in commands.choices.values():  # `moerules decide x --debug` as well as `moerules --debug decide x`
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
+    return run_guarded(lambda: args.func(args), prog="moerules", debug=args.debug)
+
+
+def run_guarded(action: Callable[[], int], *, prog: str, debug: bool) -> int:
+    """The one error boundary of a command: its exit code, or 2 with one `prog: ...` line on stderr.
+
+    Typed moerules errors and OS errors (a file or folder that cannot be read or written) are
+    input errors; anything else is a bug in moerules, reported as one line that says so. `debug`
+    lets every exception through with its traceback.
+    """
     try:
-        return args.func(args)
-    except (InputError, MoeRulesError) as error:
-        print(f"moerules: {error}", file=sys.stderr)
+        return action()
+    except Exception as error:  # noqa: BLE001 - the boundary: every failure ends in one line and exit 2
+        if debug:
+            raise
+        print(f"{prog}: {_one_line(error)}", file=sys.stderr)
+        if isinstance(error, BrokenPipeError):  # stdout's reader went away: say nothing more at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return INVALID
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, (InputError, MoeRulesError)):
+        return str(error)
+    if isinstance(error, OSError):
+        where = f"{error.filename}: " if error.filename is not None else ""
+        return f"{where}{error.strerror or error}"
+    if isinstance(error, MemoryError):
+        return "out of memory; use a smaller config (fewer experts, tokens or a smaller hidden size)"
+    return (f"internal error: {type(error).__name__}: {error} (a bug in moerules: rerun with --debug for the "
+            "traceback and report it)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
 from moerules.engine.matrix import Cell, decide_config
 from moerules.engine.progress import Progress
+from moerules.engine.textfile import csv_rows
 from moerules.engine.ruleset import RuleSet
 from moerules.engine.vllm_oracle import Inexpressible, OracleAnswer, VllmOracle, vllm_family
 
@@ -195,8 +196,9 @@ def to_csv(rows: Iterable[Comparison]) -> str:
     return out.getvalue()
 
 
-def from_csv(text: str) -> dict[str, Comparison]:
-    return {row["cell"]: Comparison(**row) for row in csv.DictReader(io.StringIO(text))}
+def from_csv(text: str, source: str = "conformance.csv") -> dict[str, Comparison]:
+    """cell -> Comparison of a report written by `to_csv`; anything else is a TableFileError naming `source`."""
+    return {row["cell"]: Comparison(**row) for row in csv_rows(text, source, COLUMNS)}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from moerules.engine.evaluate import (Evaluation, PhaseRunner, Rejections, Shard
                                       single)
 from moerules.engine.expr import suggest
 from moerules.engine.loader import load_rules
+from moerules.engine.textfile import is_folder
 from moerules.engine.reference_runner import ReferenceRunner
 from moerules.engine.ruleset import RuleSet
 from moerules.engine import durable_runner
@@ -316,7 +317,7 @@ def _load_cached(path) -> RuleSet:
 def _stamp(root: Path) -> tuple:
     """The resolved folder (or file) and each rule file's identity, size and modification time."""
     real = root.resolve()
-    files = sorted(real.glob("*.yaml")) if real.is_dir() else [real]
+    files = sorted(real.glob("*.yaml")) if is_folder(real) else [real]
     identity = []
     for file in files:
         try:
@@ -329,4 +330,7 @@ def _stamp(root: Path) -> tuple:
 
 def decide(config: MoEConfig, rules: RulesArg = None, engine: str = "auto") -> Decision:
     """Decide the MoE backend for `config` under `rules` (default: the shipped rule set)."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}; build one with "
+                        "MoEConfig.model_validate(data), which names each invalid field")
     return engine_for(rules, engine).decide(config)

@@ -22,6 +22,7 @@ from moerules.engine import fields as F
 from moerules.engine.expr import ExprError, parse, suggest
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER, Constraint, PlanRule, PlanStage, RuleFile
 from moerules.engine.ruleset import Declared, Rule, RuleSet
+from moerules.engine.textfile import is_folder, is_regular_file
 from moerules.engine.yamlsource import YamlDocument
 
 def load_rules(path: Union[str, Path, None] = None, *, display: Optional[str] = None) -> RuleSet:
@@ -31,16 +32,16 @@ def load_rules(path: Union[str, Path, None] = None, *, display: Optional[str] = 
     symlink); by default the shipped rules are `rules/` and any other path is named as given.
     """
     root = Path(path) if path is not None else default_rules_dir()
-    if root.is_dir():
+    if is_folder(root):
         files = sorted(root.glob("*.yaml"))
         if not files:
             raise RuleSetError([RuleFileError("no *.yaml rule files in this folder", file=str(root))])
-    elif root.is_file():
+    elif is_regular_file(root):
         files = [root]
     else:
         raise RuleSetError([RuleFileError("no such rules file or folder", file=str(root))])
     shown = Path(display) if display is not None else Path("rules") if path is None else root
-    prefix = f"{shown if root.is_dir() else shown.parent}/"
+    prefix = f"{shown if is_folder(root) else shown.parent}/"
     return _Loader([(f, prefix + f.name) for f in files]).load()
 
 

@@ -22,6 +22,7 @@ from moerules.engine import pool
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
 from moerules.engine.progress import Progress
+from moerules.engine.textfile import csv_rows
 from moerules.engine.ruleset import RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
@@ -216,8 +217,9 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
-def from_csv(text: str) -> dict[str, dict]:
-    return {r["cell"]: r for r in csv.DictReader(io.StringIO(text))}
+def from_csv(text: str, source: str = "decisions.csv") -> dict[str, dict]:
+    """cell -> row of a golden table written by `to_csv`; anything else is a TableFileError naming `source`."""
+    return {r["cell"]: r for r in csv_rows(text, source, COLUMNS)}
 
 
 @dataclass(frozen=True)

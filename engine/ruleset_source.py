@@ -8,12 +8,13 @@ from pathlib import Path
 
 from moerules.errors import RuleFileError, RuleSetError
 from moerules.engine.loader import load_rules
+from moerules.engine.textfile import is_folder, is_regular_file
 from moerules.engine.ruleset import RuleSet
 
 
 def resolve(spec: str, repo: Path = Path(".")) -> RuleSet:
     """`spec` is a rules folder/file, or `REF` / `REF:path` naming the rules folder at a git ref."""
-    if Path(spec).exists():
+    if is_folder(Path(spec)) or is_regular_file(Path(spec)):
         return load_rules(spec)
     ref, _, folder = spec.partition(":")
     folder = folder or "rules"
@@ -31,7 +32,8 @@ def resolve(spec: str, repo: Path = Path(".")) -> RuleSet:
 
 def _git(repo: Path, *args: str):
     try:
-        result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=False)
+        result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, errors="replace",
+                                check=False)
     except FileNotFoundError:
         return None
     return result.stdout if result.returncode == 0 else None

@@ -8,6 +8,7 @@ from pathlib import Path
 from moerules.config import MoEConfig
 from moerules.decision import Decision
 from moerules.engine.rulefile import RuleFile
+from moerules.engine.textfile import is_regular_file
 
 SCHEMAS = {"moeconfig.schema.json": MoEConfig, "decision.schema.json": Decision,
            "rulefile.schema.json": RuleFile}
@@ -34,5 +35,15 @@ def write(out: Path) -> list[Path]:
 
 def stale(out: Path) -> list[str]:
     """Names of schema files in `out` that differ from what the models generate now."""
-    return [name for name, text in render().items()
-            if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text]
+    return [name for name, text in render().items() if not _holds(out / name, text.encode("utf-8"))]
+
+
+def _holds(path: Path, expected: bytes) -> bool:
+    """Whether `path` is a regular file with exactly these bytes (reading no more than one byte past them)."""
+    if not is_regular_file(path):
+        return False
+    try:
+        with path.open("rb") as stream:
+            return stream.read(len(expected) + 1) == expected
+    except OSError:
+        return False

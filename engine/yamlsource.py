@@ -19,6 +19,7 @@ from yaml.constructor import SafeConstructor
 
 from moerules.errors import FileError, RuleFileError
 from moerules.limits import MAX_FILE_BYTES, MAX_INT_DIGITS, MAX_YAML_DEPTH, MAX_YAML_NODES
+from moerules.engine.textfile import line_col, read_text
 
 Loc = tuple  # path of keys and indices from the document root
 
@@ -82,11 +83,6 @@ def _shown(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "...")
 
 
-def _line_col(text: str, offset: int) -> tuple[int, int]:
-    start = text.rfind("\n", 0, offset) + 1
-    return text.count("\n", 0, offset) + 1, offset - start + 1
-
-
 class YamlDocument:
     """The data of one YAML file and where each part of it was written.
 
@@ -110,28 +106,14 @@ class YamlDocument:
         return self._at(node.start_mark.line + 1, node.start_mark.column + 1, message, hint)
 
     def _read(self, path: Path) -> str:
-        what = self.error_type.what
-        if not path.is_file():
-            raise self._at(0, 0, f"cannot read {what}: no such file, or not a regular file")
-        try:
-            with path.open("rb") as stream:
-                data = stream.read(MAX_FILE_BYTES + 1)
-        except OSError as error:
-            raise self._at(0, 0, f"cannot read {what}: {error.strerror or error}") from None
-        if len(data) > MAX_FILE_BYTES:
-            raise self._at(0, 0, f"{what} larger than {MAX_FILE_BYTES:,} bytes", "split it into several files")
-        try:
-            return data.decode("utf-8-sig")  # a leading byte-order mark is not part of the text
-        except UnicodeDecodeError as error:
-            prefix = data[:error.start].decode("utf-8", "replace")
-            raise self._at(*_line_col(prefix, len(prefix)), f"invalid UTF-8 (byte {data[error.start]:#04x})",
-                           f"save the {what} as UTF-8 text") from None
+        return read_text(path, self.display, self.error_type, limit=MAX_FILE_BYTES,
+                         split_hint="split it into several files")
 
     def _compose(self, text: str):
         try:
             return yaml.compose(text, Loader=_BoundedLoader)
         except yaml.reader.ReaderError as error:  # a control character; PyYAML gives only its offset
-            raise self._at(*_line_col(text, error.position), f"control character U+{error.character:04X} is "
+            raise self._at(*line_col(text, error.position), f"control character U+{error.character:04X} is "
                            "not allowed in YAML", "delete it, or write it as an escape in a double-quoted string") from None
         except yaml.MarkedYAMLError as error:
             mark = error.problem_mark or error.context_mark

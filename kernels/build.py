@@ -24,7 +24,7 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
                 in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
                 weight_block: Optional[int] = None, weights: MoEWeights, device: Union[str, torch.device],
                 routing: Optional[RoutingConfig] = None, defer_input_quant: bool = False, group=None, placement=None,
-                timeout_s: Optional[float] = None) -> MoELayer:
+                timeout_s: Optional[float] = None, decision_key: Optional[str] = None) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference"; batched format:
@@ -47,6 +47,12 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         `Placement` of the experts over its ranks; `weights` are then this rank's shard
         (`shard_weights`). Both or neither; dispatchers that exchange tokens require them.
     timeout_s: bound on every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
+    decision_key: a digest of the decision the layer is built from (moerules.build passes it).
+
+    Over a group, the ranks then exchange a fingerprint of what each built (decision_key, kernels, scheme,
+    activation, dtype, sizes and padding, placement, and the checksum of the global weights a shard was
+    cut from, `MoEWeights.origin`): any difference is a KernelBuildError on every rank, naming each field
+    and every rank's value, within the collective timeout.
     """
     spec = EXPERTS.get(kernel_id)
     if spec is None:
@@ -104,10 +110,14 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     if reason:
         raise KernelBuildError(kernel_id, reason)
     pf_class = prepare_finalize_class(prepare_finalize_id)
-    comm = connect(pf_id=prepare_finalize_id, pf_class=pf_class, activation_format=activation_format, group=group,
-                   placement=placement, weights=weights, timeout_s=timeout_s)
     logical_hidden, logical_inter = (d - p for d, p in zip((weights.hidden, weights.intermediate),
                                                            weights.padding or (0, 0)))
+    fingerprint = {"decision": decision_key or "", "experts": kernel_id, "dispatcher": prepare_finalize_id,
+                   "scheme": scheme.cell, "activation": activation.value, "in_dtype": in_dtype.value,
+                   "hidden": f"{logical_hidden}+{hidden_pad}", "intermediate": f"{logical_inter}+{intermediate_pad}",
+                   "defer_input_quant": str(defer_input_quant), "bias": str(weights.has_bias)}
+    comm = connect(pf_id=prepare_finalize_id, pf_class=pf_class, activation_format=activation_format, group=group,
+                   placement=placement, weights=weights, timeout_s=timeout_s, fingerprint=fingerprint)
     if spec.needs_full_mx_groups and scheme.is_mx:
         _check_full_mx_groups(kernel_id, logical_hidden + hidden_pad, logical_inter + intermediate_pad,
                               hidden_pad, intermediate_pad)

@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 
 from .activations import is_interleaved
+from moerules.errors import KernelInputError
+
 from .errors import KernelBuildError
 from .interfaces import BATCHED, Experts, PrepareFinalize
 from .lora import LoRAWeights, lora_refusal
@@ -74,7 +76,7 @@ class MoELayer:
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         if r is None:
-            raise ValueError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
+            raise KernelInputError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
         if r.num_expert_group is not None:
             return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group,
                                 topk_group=r.topk_group, e_score_correction_bias=r.e_score_correction_bias,
@@ -83,21 +85,27 @@ class MoELayer:
 
     def forward(self, x: torch.Tensor, *, router_logits: Optional[torch.Tensor] = None,
                 topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [M, hidden] -> [M, hidden]. Give either router_logits or both topk_ids and topk_weights."""
-        if x.dim() != 2 or x.shape[1] != self.hidden_size:
-            raise ValueError(f"x must be [tokens, {self.hidden_size}], got {tuple(x.shape)}")
-        if x.dtype != TORCH_DTYPE[self.weights.in_dtype]:
-            raise ValueError(f"x is {x.dtype}, this layer computes in {self.weights.in_dtype.value}")
+        """x [M, hidden] -> [M, hidden]. Give either router_logits or both topk_ids and topk_weights.
+
+        The input contract, checked here before any kernel runs (each breach a KernelInputError naming the
+        argument): x is a [M, hidden] tensor of the layer's in_dtype on the weights' device, in any layout
+        (a non-contiguous view, e.g. a column slice of a wider buffer or a transpose, is copied once to a
+        contiguous [M, hidden], which every kernel then reads); router_logits is a floating [M, num_experts]
+        tensor on the same device; topk_ids / topk_weights are validated by `validate_topk`.
+        """
+        x = self._checked_input(x)
         if router_logits is not None:
             if topk_ids is not None or topk_weights is not None:
-                raise ValueError("give router_logits or topk_ids/topk_weights, not both")
-            if router_logits.shape != (x.shape[0], self.num_experts):
-                raise ValueError(f"router_logits must be [{x.shape[0]}, {self.num_experts}], "
-                                 f"got {tuple(router_logits.shape)}")
+                raise KernelInputError("give router_logits or topk_ids/topk_weights, not both")
+            _check_tensor("router_logits", router_logits, shape=(x.shape[0], self.num_experts), device=x.device)
+            if not router_logits.is_floating_point():
+                raise KernelInputError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
             topk_ids, topk_weights = self.route(router_logits)
         elif topk_ids is None or topk_weights is None:
-            raise ValueError("forward needs router_logits, or both topk_ids and topk_weights")
+            raise KernelInputError("forward needs router_logits, or both topk_ids and topk_weights")
         else:
+            for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                _check_tensor(name, tensor, shape=None, device=x.device)
             topk_ids, topk_weights = validate_topk(topk_ids=topk_ids, topk_weights=topk_weights,
                                                    num_tokens=x.shape[0], num_experts=self.num_experts)
         # Adapters assigned to weights.lora directly, bypassing set_lora, must never be dropped silently.
@@ -121,3 +129,24 @@ class MoELayer:
         return self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
 
     __call__ = forward
+
+    def _checked_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernels read it: [M, hidden], in_dtype, on the weights' device, contiguous."""
+        _check_tensor("x", x, shape=None, device=self.weights.device)
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise KernelInputError(f"x must be [tokens, {self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != TORCH_DTYPE[self.weights.in_dtype]:
+            raise KernelInputError(f"x is {x.dtype}, this layer computes in {self.weights.in_dtype.value}; "
+                                   f"convert it with x.to({TORCH_DTYPE[self.weights.in_dtype]})")
+        # Kernels index rows and columns with the shape's strides: a strided view is copied, never misread.
+        return x if x.is_contiguous() else x.contiguous()
+
+
+def _check_tensor(name: str, t, *, shape: Optional[tuple[int, ...]], device: torch.device) -> None:
+    """KernelInputError unless `t` is a tensor of `shape` (None: any) on `device`."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise KernelInputError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
+        raise KernelInputError(f"{name} is on {t.device}, the layer's weights are on {device}; move it with .to()")

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from .ep.comm import batch_shape
 from .ep.placement import RoutingTables, map_to_local, routing_tables
 from .interfaces import STANDARD, PreparedInput, PrepareFinalize
 from .quantize import quantize_activation
@@ -61,6 +62,12 @@ class LocalPrepareFinalize(PrepareFinalize):
         """Bring expert outputs back to the tokens' ranks; local: already there, summed over ranks if sharded."""
         if self.comm is None:
             return expert_out
+        # The ranks hold the same tokens; a rank with other tokens or another width would make the all-reduce's
+        # sizes disagree (gloo aborts the process): one small all-gather checks it first. It reads the
+        # answer on the host, which CUDA-graph capture forbids: captured graphs rely on the eager warm-up's check.
+        if not (expert_out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.comm.agree({"tokens": expert_out.shape[0], **batch_shape(expert_out, prepared.topk_ids)},
+                            expert_out.device, what="batch shape")
         return self.comm.all_reduce(expert_out.contiguous(), what="partial outputs")
 
     def finalize(self, expert_out: torch.Tensor, *, prepared: PreparedInput, hidden_size: int) -> torch.Tensor:

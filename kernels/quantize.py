@@ -54,6 +54,32 @@ def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.float() / qmax(dtype)).clamp_min(_MIN_SCALE)
 
 
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the finite elements of x (0 when there are none): the amax of a dynamic per-tensor scale.
+
+    The numerical policy (README, "Non-finite inputs"): one scale serves every token, so a NaN or Inf in
+    one token would make it NaN or Inf and every token's output NaN. Non-finite values are left out of the
+    amax instead, and quantise to NaN (`_nan_where_not_finite`), so the damage stays in the rows that hold
+    them. A huge finite value is a value: it sets the scale and coarsens every token's quantisation.
+    """
+    if not x.numel():
+        return torch.zeros((), device=x.device)
+    absval = x.float().abs()
+    return torch.where(absval < float("inf"), absval, 0.0).amax()
+
+
+def _nan_where_not_finite(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor fp8: a non-finite input element quantises to NaN, not to the saturated maximum.
+
+    Saturated, an Inf would enter GEMM1 as the largest finite value and could raise the intermediate's
+    per-tensor amax for every token; as NaN its row stays NaN, as in an unquantised layer, and the
+    intermediate's finite amax leaves it out. int8 has no NaN: its per-tensor cells do not exist here.
+    """
+    if q.dtype == torch.int8:
+        return q
+    return torch.where(torch.isfinite(x), q, torch.tensor(float("nan"), dtype=q.dtype, device=q.device))
+
+
 def tensor_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The [1] dynamic per-tensor scale for an amax found elsewhere (e.g. agreed over EP ranks)."""
     return _scale_from_amax(amax, dtype).reshape(1)
@@ -96,9 +122,8 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
         if static_scale is not None:
             scale = static_scale.float().reshape(1)
         else:
-            amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-            scale = _scale_from_amax(amax, dtype).reshape(1)
-        return cast_saturated(xf / scale, dtype), scale
+            scale = _scale_from_amax(finite_amax(xf), dtype).reshape(1)
+        return _nan_where_not_finite(cast_saturated(xf / scale, dtype), xf), scale
     if granularity == G.token:
         scale = _scale_from_amax(xf.abs().amax(dim=1), dtype) if x.shape[1] else torch.ones(x.shape[0])
         return cast_saturated(xf / scale[:, None], dtype), scale
@@ -123,9 +148,7 @@ def quantize_activation_batched(x: torch.Tensor, *, expert_num_tokens: torch.Ten
     E, M, K = x.shape
     if granularity == G.tensor and static_scale is None:
         valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.to(x.device)[:, None]
-        amax = torch.where(valid[..., None], x.float().abs(), 0.0).amax() if x.numel() else \
-            torch.zeros((), device=x.device)
-        static_scale = _scale_from_amax(amax, dtype).reshape(1)
+        static_scale = _scale_from_amax(finite_amax(torch.where(valid[..., None], x.float(), 0.0)), dtype).reshape(1)
     q, scale = quantize_activation(x.reshape(E * M, K), dtype=dtype, granularity=granularity,
                                    static_scale=static_scale)
     return q.view(E, M, K), (scale if granularity == G.tensor else scale.view(E, M, *scale.shape[1:]))

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from moerules.errors import KernelInputError
+
 
 def fused_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, then top-k; `renormalize` rescales the k weights to sum to 1."""
@@ -34,9 +36,9 @@ def grouped_topk(router_logits: torch.Tensor, *, top_k: int, num_expert_group: i
     _check_logits(router_logits, top_k)
     M, E = router_logits.shape
     if E % num_expert_group:
-        raise ValueError(f"{E} experts do not split into {num_expert_group} groups")
+        raise KernelInputError(f"{E} experts do not split into {num_expert_group} groups")
     if not 1 <= topk_group <= num_expert_group:
-        raise ValueError(f"topk_group={topk_group} must be in [1, num_expert_group={num_expert_group}]")
+        raise KernelInputError(f"topk_group={topk_group} must be in [1, num_expert_group={num_expert_group}]")
     scores = torch.sigmoid(router_logits.float())
     biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()[None, :]
     per_group = biased.view(M, num_expert_group, E // num_expert_group)
@@ -54,10 +56,10 @@ def grouped_topk(router_logits: torch.Tensor, *, top_k: int, num_expert_group: i
 def check_topk_dtypes(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
     """Integer ids and floating weights: the cheap check that catches the two being swapped."""
     if topk_ids.is_floating_point() or topk_ids.is_complex():
-        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype} "
+        raise KernelInputError(f"topk_ids must be an integer tensor, got {topk_ids.dtype} "
                          "(were topk_ids and topk_weights swapped?)")
     if not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights must be a floating tensor, got {topk_weights.dtype} "
+        raise KernelInputError(f"topk_weights must be a floating tensor, got {topk_weights.dtype} "
                          "(were topk_ids and topk_weights swapped?)")
 
 
@@ -65,7 +67,7 @@ def validate_topk(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tok
                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Check given top-k tensors before any kernel indexes memory with them.
 
-    Returns them as contiguous int32 ids and fp32 weights. Raises ValueError for wrong
+    Returns them as contiguous int32 ids and fp32 weights. Raises KernelInputError (a ValueError) for wrong
     shapes, dtypes (ids must be integers, weights floating: catches swapped arguments) or an
     id outside [0, num_experts). The range check reads the ids back to the host (one sync);
     it is the price of never letting a bad id reach a kernel's pointer arithmetic. While a
@@ -74,17 +76,17 @@ def validate_topk(*, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tok
     """
     check_topk_dtypes(topk_ids=topk_ids, topk_weights=topk_weights)
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
-                         f"be [num_tokens={num_tokens}, top_k]")
+        raise KernelInputError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                               f"must both be [num_tokens={num_tokens}, top_k]")
     if topk_ids.numel() and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids out of range: found ids in [{lo}, {hi}], valid is [0, {num_experts - 1}]")
+            raise KernelInputError(f"topk_ids out of range: found ids in [{lo}, {hi}], valid is [0, {num_experts - 1}]")
     return topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous()
 
 
 def _check_logits(router_logits: torch.Tensor, top_k: int) -> None:
     if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
+        raise KernelInputError(f"router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
     if not 1 <= top_k <= router_logits.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[1]}]")
+        raise KernelInputError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[1]}]")

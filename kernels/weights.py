@@ -13,12 +13,14 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from moerules.activation import Dtype
+from moerules.errors import KernelInputError
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
 from .lora import LoRAWeights
@@ -52,6 +54,9 @@ class MoEWeights:
     # False for the non-gated `*_no_mul` activations: w13 then holds I rows, not 2I.
     gated: bool = True
     lora: Optional[LoRAWeights] = None
+    # Checksum of the global weights a shard was cut from (`shard_weights` sets it): the ranks of an
+    # expert-parallel group compare it at build, so shards of different weights never run together.
+    origin: Optional[str] = None
 
     def __post_init__(self):
         E, rows, _ = self.w13.shape
@@ -64,7 +69,24 @@ class MoEWeights:
                              "non-gated)")
         if (self.scheme.weight_dtype is None) != (self.w13_scale is None):
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
+        self._check_layout()
         self.check_lora()
+
+    def _check_layout(self) -> None:
+        """Every tensor on w13's device with a unit-stride last dimension: the kernels step over the other
+        dimensions by their strides but read along the last one contiguously (K for weights)."""
+        for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "a13_scale", "a2_scale"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.device != self.w13.device:
+                raise KernelInputError(f"MoEWeights.{name} is on {t.device}, w13 on {self.w13.device}; put every "
+                                       "tensor of a layer on one device")
+            if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise KernelInputError(f"MoEWeights.{name} {tuple(t.shape)} has strides {t.stride()}: its last "
+                                       "dimension must be contiguous (stride 1) in the layout of this module's doc; "
+                                       f"pass {name}.contiguous() (a transposed checkpoint tensor: transpose it "
+                                       "into that layout, then .contiguous())")
 
     def check_lora(self, lora: Optional[LoRAWeights] = None) -> None:
         """Raise ValueError unless `lora` (default: the attached adapters, if any) fits these weights as they are."""
@@ -72,6 +94,16 @@ class MoEWeights:
         if lora is not None:
             lora.check_matches(num_experts=self.num_experts, rows13=self.w13.shape[1], hidden=self.hidden,
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
+
+    def checksum(self) -> str:
+        """A digest of every weight, bias and scale byte (one pass over the weights, on their device)."""
+        total = []
+        for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "a13_scale", "a2_scale"):
+            t = getattr(self, name)
+            if t is not None:
+                words = t.contiguous().view(torch.uint8).flatten()
+                total.append(f"{name}:{tuple(t.shape)}:{_byte_digest(words)}")
+        return hashlib.sha256(";".join(total).encode()).hexdigest()[:16]
 
     @property
     def num_experts(self) -> int:
@@ -93,6 +125,17 @@ class MoEWeights:
     @property
     def device(self) -> torch.device:
         return self.w13.device
+
+
+def _byte_digest(data: torch.Tensor) -> str:
+    """Order-sensitive sums of a uint8 tensor, chunked so the int64 temporaries stay small."""
+    plain, weighted = 0, 0
+    for start in range(0, data.numel(), 1 << 24):
+        chunk = data[start:start + (1 << 24)].to(torch.int64)
+        position = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
+        plain += int(chunk.sum())
+        weighted += int((chunk * position).sum())
+    return f"{plain:x}.{weighted:x}"
 
 
 def make_random_weights(*, num_experts: int, hidden: int, intermediate: int, quant: QuantConfig,

@@ -7,6 +7,7 @@ backend and the package, never by quietly running something else.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 from moerules.config import Routing
@@ -65,10 +66,15 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                            weight_block=decision.quant.weight_block, weights=weights, device=device if device is not None else weights.device,
                            routing=routing if routing is not None else routing_for(decision),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, decision_key=_digest(decision) if group is not None else None)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None
+
+
+def _digest(decision: Decision) -> str:
+    """What the ranks of a group compare: their decisions, byte for byte (decisions are deterministic)."""
+    return hashlib.sha256(decision.to_json().encode()).hexdigest()[:16]
 
 
 def ranks_of(decision: Decision) -> int:

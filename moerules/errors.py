@@ -38,6 +38,27 @@ class ConfigFileError(FileError):
     what = "config file"
 
 
+class TableFileError(FileError):
+    """A golden table (decisions.csv, conformance.csv) is unreadable or not one moerules wrote."""
+
+    what = "golden table"
+
+
+class RequestError(MoeRulesError, ValueError):
+    """A request that cannot be honoured as given: a device that is not here, a size over a limit.
+
+    Raised before anything is allocated or computed, naming the argument, its value and the fix.
+    """
+
+
+class KernelInputError(MoeRulesError, ValueError):
+    """A tensor handed to a layer breaks its contract (shape, dtype, device, layout, id range).
+
+    The message names the argument, what was given and what the layer expects. A ValueError too,
+    so callers that caught ValueError before this type existed keep working.
+    """
+
+
 class RuleSetError(MoeRulesError):
     """Several rule-file errors found in one load; all are reported, not just the first."""
 

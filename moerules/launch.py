@@ -29,23 +29,32 @@ QUANTIZED_TOLERANCE = 8e-2
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from moerules.engine.cli import _config_arguments
+    from moerules.engine.cli import DEBUG_HELP, SEED, _config_arguments, bounded_int, positive_number
+    from moerules.limits import MAX_RUN_TOKENS
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_arguments(parser)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per data-parallel replica (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
-    parser.add_argument("--iters", type=int, default=5, help="timed forwards after one warm-up (default 5)")
-    parser.add_argument("--timeout", type=float, default=None,
+    parser.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=64,
+                        help="tokens per data-parallel replica (default 64)")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the weights and tokens")
+    parser.add_argument("--iters", type=bounded_int(1, 10_000), default=5,
+                        help="timed forwards after one warm-up (default 5)")
+    parser.add_argument("--timeout", type=positive_number, default=None,
                         help="collective timeout in seconds (default $MOERULES_EP_TIMEOUT_S, else 300)")
     parser.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None,
                         help="process group backend (default: nccl when CUDA is available, else gloo)")
     parser.add_argument("--json", action="store_true", help="rank 0 prints a JSON report")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return parser
 
 
 def main(argv=None) -> int:
+    from moerules.engine.cli import run_guarded
     args = make_parser().parse_args(argv)
+    return run_guarded(lambda: _launch(args), prog="moerules.launch", debug=args.debug)
+
+
+def _launch(args) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("moerules.launch runs under torchrun, which starts the ranks: "
               "torchrun --nproc-per-node N -m moerules.launch CONFIG", file=sys.stderr)

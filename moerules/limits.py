@@ -36,3 +36,15 @@ MAX_CUDA_CC_DIGITS = 4
 # a bound keeps every config field a number both rule engines carry exactly (64-bit in durable).
 MAX_LAYER_DIM = 1 << 20
 MAX_RANKS = 1 << 16
+
+# A golden table moerules writes (matrix/decisions.csv is ~40 MB for 52k cells); a larger file is not one of ours.
+MAX_TABLE_BYTES = 256 * 1024 * 1024
+
+# `moerules run`: tokens of its one forward pass, and its seed (torch generators take 64-bit seeds).
+MAX_RUN_TOKENS = 1 << 16
+MAX_SEED = (1 << 63) - 1
+
+# GiB of weights `moerules run` generates on a CPU unless --max-gib says otherwise: random weights are
+# drawn at roughly 0.1-0.3 GB/s on a CPU core, so a DeepSeek-V3 layer (~33 GiB with its bf16 master copy)
+# would take minutes; on a GPU the bound is the device's free memory.
+DEFAULT_CPU_RUN_GIB = 8.0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..interfaces import PreparedInput
+from .comm import batch_shape
 from .exchange import ExchangePrepareFinalize, pack_topk, unpack_topk
 
 
@@ -42,7 +43,7 @@ class All2AllPrepareFinalize(ExchangePrepareFinalize):
         goes.scatter_(1, owner, True)                                             # token t -> rank r
         rank_of_row, token_of_row = goes.T.nonzero(as_tuple=True)                 # grouped by destination
         send_counts = goes.sum(dim=0)
-        recv_counts = comm.exchange_counts(send_counts)
+        recv_counts = comm.exchange_counts(send_counts, shape=batch_shape(x, ids))
         send = send_counts.tolist()
 
         local = tables.local_index[ids[token_of_row]]

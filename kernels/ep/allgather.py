@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..interfaces import PreparedInput
+from .comm import batch_shape
 from .exchange import ExchangePrepareFinalize, pack_topk, unpack_topk
 from .placement import map_to_local
 
@@ -32,7 +33,7 @@ class AllGatherReduceScatter(ExchangePrepareFinalize):
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         x, comm = prepared.hidden_q, self.comm
         num_tokens = x.shape[0]
-        cap = max(comm.gather_counts(num_tokens, x.device))
+        cap = max(comm.gather_counts(num_tokens, x.device, shape=batch_shape(x, prepared.topk_ids)))
         ids = torch.full((cap, prepared.topk_ids.shape[1]), -1, dtype=torch.int32, device=x.device)
         ids[:num_tokens] = prepared.topk_ids
         weights = torch.zeros(ids.shape, dtype=torch.float32, device=x.device)

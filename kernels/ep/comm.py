@@ -14,6 +14,7 @@ The wire carries FP8 as raw bytes (gloo has no float8 type; NCCL treats bytes th
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,18 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class CollectiveError(RuntimeError):
     """A collective of the expert-parallel group failed or timed out on this rank."""
+
+
+class InconsistentRanksError(CollectiveError):
+    """The ranks of the group disagree on what they built or on the shape of a batch.
+
+    Every rank gathers every rank's values, so every rank raises this error with the same message,
+    before the exchange whose sizes would disagree (gloo aborts the process on such a mismatch, and
+    a disagreement that keeps sizes equal, such as the placement or the weights, gives wrong output)."""
+
+
+# Width of one fingerprint field on the wire: values longer than this travel as a digest.
+_FIELD_BYTES = 40
 
 
 def resolve_timeout(timeout_s: Optional[float] = None) -> float:
@@ -73,12 +86,50 @@ class Comm:
         self._failure: Optional[str] = None
 
     # -- collectives ------------------------------------------------------------------------
-    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        """All-to-all of one int64 count per peer; returns what every peer will send here."""
-        recv = torch.empty_like(send_counts)
+    def exchange_counts(self, send_counts: torch.Tensor, *, shape: dict[str, int]) -> list[int]:
+        """All-to-all of one int64 count per peer; returns what every peer will send here.
+
+        `shape` (e.g. top_k, row width, dtype code) rides along with each count: every peer must send
+        the same, else InconsistentRanksError on every rank, before any payload is exchanged."""
+        header = torch.tensor(list(shape.values()), dtype=torch.int64, device=send_counts.device)
+        send = torch.cat([send_counts.to(torch.int64)[:, None], header.expand(self.size, -1)], dim=1)
+        recv = torch.empty_like(send)
         self._run("all_to_all_single", "counts", lambda: dist.all_to_all_single(
-            recv, send_counts, group=self.group, async_op=True))
-        return recv.tolist()
+            recv, send, group=self.group, async_op=True))
+        self._check_shapes(shape, recv[:, 1:].tolist())
+        return recv[:, 0].tolist()
+
+    def agree(self, shape: dict[str, int], device: torch.device, *, what: str, skip: int = 0) -> list[list[int]]:
+        """Every rank's `shape` values (all-gathered); InconsistentRanksError unless the ranks agree on all but
+        the first `skip` of them."""
+        mine = torch.tensor([list(shape.values())], dtype=torch.int64, device=device)
+        rows = self.all_gather(mine, what=what).tolist()
+        self._check_shapes(dict(list(shape.items())[skip:]), [row[skip:] for row in rows])
+        return rows
+
+    def _check_shapes(self, shape: dict[str, int], rows: list[list[int]]) -> None:
+        differing = [name for i, name in enumerate(shape) if len({row[i] for row in rows}) > 1]
+        if differing:
+            per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={row[list(shape).index(n)]}" for n in differing)
+                                 for r, row in enumerate(rows))
+            raise InconsistentRanksError(f"the {self.size} ranks of the expert-parallel group disagree on the batch "
+                                         f"they run ({per_rank}); every rank must run the same layer with the same "
+                                         "top_k, hidden size and dtype")
+
+    def check_fingerprint(self, fingerprint: dict[str, str], device: torch.device) -> None:
+        """All-gather what each rank built (field -> short text); InconsistentRanksError on every rank if any
+        field differs between ranks, naming each differing field with every rank's value."""
+        mine = torch.stack([_field_bytes(value) for value in fingerprint.values()]).to(device)
+        every = self.all_gather(mine[None], what="layer fingerprint")
+        texts = [[bytes(field.tolist()).rstrip(b"\0").decode("utf-8", "replace") for field in rank] for rank in every]
+        differing = [i for i in range(len(fingerprint)) if len({rank[i] for rank in texts}) > 1]
+        if differing:
+            names = list(fingerprint)
+            detail = "; ".join(f"{names[i]}: " + ", ".join(f"rank {r} {rank[i] or '-'}" for r, rank in enumerate(texts))
+                               for i in differing)
+            raise InconsistentRanksError(f"the {self.size} ranks of the expert-parallel group built different layers "
+                                         f"({detail}); build every rank from the same decision, placement and global "
+                                         "weights (same seed or checkpoint), each with its own shard")
 
     def all_to_all(self, x: torch.Tensor, *, send_counts: list[int], recv_counts: list[int],
                    what: str) -> torch.Tensor:
@@ -90,9 +141,10 @@ class Comm:
             group=self.group, async_op=True))
         return out
 
-    def gather_counts(self, count: int, device: torch.device) -> list[int]:
-        """Every rank's `count` (e.g. its number of tokens), in rank order."""
-        return self.all_gather(torch.tensor([count], dtype=torch.int64, device=device), what="counts").tolist()
+    def gather_counts(self, count: int, device: torch.device, *, shape: dict[str, int]) -> list[int]:
+        """Every rank's `count` (e.g. its number of tokens), in rank order; `shape` as in exchange_counts."""
+        rows = self.agree({"count": count, **shape}, device, what="counts", skip=1)
+        return [row[0] for row in rows]
 
     def all_gather(self, x: torch.Tensor, *, what: str) -> torch.Tensor:
         """[n, ...] on every rank (same n) -> [size * n, ...] in rank order."""
@@ -138,6 +190,23 @@ class Comm:
     def _record(self, op: str, what: str, x: torch.Tensor, bytes_out: int) -> None:
         if self.trace is not None:
             self.trace.append(WireRecord(op, what, x.dtype, tuple(x.shape), bytes_out))
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.uint8, torch.float64)
+
+
+def batch_shape(x: torch.Tensor, topk_ids: torch.Tensor) -> dict[str, int]:
+    """What every rank's batch must share in a token exchange: top_k, the row width and its dtype."""
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    return {"top_k": topk_ids.shape[1], "hidden": x.shape[1], "dtype": code}
+
+
+def _field_bytes(value: str) -> torch.Tensor:
+    """One fingerprint field as _FIELD_BYTES bytes: the text, or the start of its SHA-256 when longer."""
+    data = value.encode("utf-8")
+    if len(data) > _FIELD_BYTES:
+        data = hashlib.sha256(data).hexdigest()[:_FIELD_BYTES].encode()
+    return torch.tensor(list(data.ljust(_FIELD_BYTES, b"\0")), dtype=torch.uint8)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,10 @@ from .placement import Placement, PlacementError, required_expert_placement
 
 
 def connect(*, pf_id: str, pf_class: type[PrepareFinalize], activation_format: str, group,
-            placement: Optional[Placement], weights: MoEWeights,
-            timeout_s: Optional[float]) -> Optional[Comm]:
-    """The Comm the dispatcher runs over (None on one device), once group, placement and weights agree."""
+            placement: Optional[Placement], weights: MoEWeights, timeout_s: Optional[float],
+            fingerprint: dict[str, str]) -> Optional[Comm]:
+    """The Comm the dispatcher runs over (None on one device), once group, placement and weights agree here
+    and every rank of the group built the same `fingerprint` (one all-gather, bounded by the timeout)."""
     if group is None and placement is None:
         if pf_class.needs_group:
             raise KernelBuildError(pf_id, "this dispatcher exchanges tokens between ranks and needs a "
@@ -43,6 +44,12 @@ def connect(*, pf_id: str, pf_class: type[PrepareFinalize], activation_format: s
     problem = _mismatch(pf_class, activation_format, comm, placement, weights)
     if problem:
         raise KernelBuildError(pf_id, problem)
+    placed = {"placement": f"{placement.kind.value} {placement.num_experts}/{placement.num_ranks}",
+              "weights": weights.origin or ""}
+    try:
+        comm.check_fingerprint({**fingerprint, **placed}, weights.device)
+    except CollectiveError as error:   # InconsistentRanksError too: the same message on every rank
+        raise KernelBuildError(pf_id, str(error)) from None
     return comm
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moerules.quant import Granularity
 
 from ..prepare_finalize import LocalPrepareFinalize
-from ..quantize import tensor_scale_from_amax
+from ..quantize import finite_amax, tensor_scale_from_amax
 
 
 class ExchangePrepareFinalize(LocalPrepareFinalize):
@@ -33,7 +33,7 @@ class ExchangePrepareFinalize(LocalPrepareFinalize):
     def activation_scale(self, x: torch.Tensor, *, a13_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if a13_scale is not None or self.scheme.act_granularity != Granularity.tensor:
             return a13_scale
-        amax = x.abs().amax().float().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+        amax = finite_amax(x).reshape(1)
         amax = self.comm.all_reduce(amax, what="activation amax", op=dist.ReduceOp.MAX)
         return tensor_scale_from_amax(amax, self.scheme.act_torch_dtype)
 

@@ -37,10 +37,12 @@ def shard_weights(weights: MoEWeights, placement: Placement, rank: int, *,
         raise PlacementError(f"the weights hold {weights.num_experts} experts but the placement is for "
                              f"{placement.num_experts}; shard the global weights")
     if placement.shards_experts:
-        return _take_experts(weights, torch.tensor(placement.local_experts(rank), device=weights.device))
-    if activation is None:
+        shard = _take_experts(weights, torch.tensor(placement.local_experts(rank), device=weights.device))
+    elif activation is None:
         raise PlacementError("tensor sharding needs activation= to know how w13's gate and up rows are laid out")
-    return _slice_intermediate(weights, rank, placement.num_ranks, is_interleaved(activation))
+    else:
+        shard = _slice_intermediate(weights, rank, placement.num_ranks, is_interleaved(activation))
+    return replace(shard, origin=weights.origin or weights.checksum())
 
 
 def _take_experts(w: MoEWeights, idx: torch.Tensor) -> MoEWeights:

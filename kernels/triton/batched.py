@@ -36,6 +36,8 @@ from .config import MoEConfig, batched_config, check_batched_config
 from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _k_step, _tile_coords
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
 
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # globals used in @jit must be tl.constexpr objects
+
 
 @triton.jit
 def _expert_tile(counts_ptr, max_tokens, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -74,13 +76,13 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
 @triton.jit
 def _fold_amax(amax_ptr, row_index, row_ok, absval, group, num_groups, AMAX: tl.constexpr):
     """Atomic-max a tile's |values| into the amax of the tensor (1), of each row (2) or of each row's group (3)."""
-    row_max = tl.max(absval, axis=1)
-    if AMAX == 1:
-        tl.atomic_max(amax_ptr, tl.max(row_max, axis=0))
+    if AMAX == 1:  # per tensor: non-finite values stay out of the amax (quantize.finite_amax, the NaN policy)
+        finite = tl.where(absval <= FP32_MAX, absval, 0.0)   # NaN and Inf compare False
+        tl.atomic_max(amax_ptr, tl.max(tl.max(finite, axis=1), axis=0))
     elif AMAX == 2:
-        tl.atomic_max(amax_ptr + row_index, row_max, mask=row_ok)
+        tl.atomic_max(amax_ptr + row_index, tl.max(absval, axis=1), mask=row_ok)
     else:
-        tl.atomic_max(amax_ptr + row_index * num_groups + group, row_max, mask=row_ok)
+        tl.atomic_max(amax_ptr + row_index * num_groups + group, tl.max(absval, axis=1), mask=row_ok)
 
 
 @triton.jit

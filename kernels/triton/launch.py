@@ -104,6 +104,11 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     `weights.lora`, when set, adds its deltas; x_q is then unquantised (build refuses LoRA otherwise).
     """
     alloc = torch.zeros if remote_slots else torch.empty
+    # The kernels step through rows by stride(0) and read each row, and the router weights, as contiguous:
+    # a strided view (a transposed x, a column slice) would be read wrongly, so it is copied (no-op otherwise).
+    x_q, topk_weights = x_q.contiguous(), topk_weights.contiguous()
+    if a_scale is not None:
+        a_scale = a_scale.contiguous()
     scheme = weights.scheme
     T, k = topk_ids.shape
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate

@@ -20,8 +20,10 @@ import triton.language as tl
 from moerules.quant import Granularity
 
 from ..mx import E4M3_EMAX, E8M0_BIAS, E8M0_MAX, E8M0_MIN, MX_GROUP
-from ..quantize import _MIN_SCALE, qmax
+from ..quantize import _MIN_SCALE, finite_amax, qmax, tensor_scale_from_amax
 from ..scheme import QUANT_BLOCK
+
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # NaN and Inf compare False against it
 
 
 @triton.jit
@@ -50,8 +52,10 @@ def _quantize_slice_kernel(x_ptr, q_ptr, scale_ptr, K, slice_len, stride_xm, str
     for k in range(start, end, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < end
-        y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32) / scale
-        y = tl.minimum(tl.maximum(y, -q_max), q_max)
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
+        if FIXED_SCALE and not TO_INT8:  # the per-tensor NaN policy (quantize.py): non-finite x -> NaN
+            y = tl.where(tl.abs(x) <= FP32_MAX, y, x * 0.0)
         if TO_INT8:
             y = tl.where(y >= 0, y + 0.5, y - 0.5)  # round half away from zero, as the torch path
         tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
@@ -99,8 +103,7 @@ def quantize_activation_triton(x: torch.Tensor, *, dtype: torch.dtype, granulari
         if static_scale is not None:
             scale = static_scale.float().reshape(1).contiguous()
         else:
-            amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-            scale = (amax / qmax(dtype)).clamp_min(_MIN_SCALE).reshape(1)
+            scale = tensor_scale_from_amax(finite_amax(x), dtype)
         slice_len, parts, fixed = K, 1, True
     elif granularity == Granularity.token:
         slice_len, parts, fixed = K, 1, False

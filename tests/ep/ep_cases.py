@@ -125,8 +125,11 @@ def build_rank_layer(case: Case, rank: int):
 
 def ep_forward(case: Case) -> dict:
     """This rank's output of the case, the wire trace and where activations were quantised."""
+    return forward_built(case, build_rank_layer(case, dist.get_rank()))
+
+
+def forward_built(case: Case, layer) -> dict:
     rank = dist.get_rank()
-    layer = build_rank_layer(case, rank)
     x, ids, weights = rank_inputs(case, rank)
     layer.prepare_finalize.comm.trace = []
     with count_quantizations() as calls:
@@ -164,13 +167,14 @@ class count_quantizations:
 def fail_or_forward(case: Case, failing_rank: int, how: str) -> dict:
     """The failing rank raises ("raise") or exits ("exit") before its forward; the others report the
     error they got and how long it took."""
+    layer = build_rank_layer(case, dist.get_rank())   # building is collective too (the fingerprint)
     if dist.get_rank() == failing_rank:
         if how == "exit":
             os._exit(3)
         raise RuntimeError("injected failure on this rank before the MoE forward")
     start = time.monotonic()
     try:
-        ep_forward(case)
+        forward_built(case, layer)
     except CollectiveError as error:
         return {"error": str(error), "elapsed": time.monotonic() - start}
     return {"error": None, "elapsed": time.monotonic() - start}
@@ -225,3 +229,11 @@ class KeepLocalDispatcher(LocalPrepareFinalize):
     def combine(self, expert_out, *, prepared):
         return expert_out
 
+
+
+def outcome_of_rank_case(cases: tuple) -> dict:
+    """Rank r runs cases[r] (ranks that disagree); its output, or the error it ended in."""
+    try:
+        return {"error": None, "out": ep_forward(cases[dist.get_rank()])["out"]}
+    except Exception as error:  # noqa: BLE001 - every outcome goes back to the test, which checks its type
+        return {"error": f"{type(error).__name__}: {error}"}

@@ -54,8 +54,9 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     if spec is None:
         raise KernelBuildError(kernel_id, f"unknown kernel id; registered: {', '.join(sorted(EXPERTS))}; "
                                           f"adapters: {', '.join(sorted(ADAPTERS))}")
-    if spec.package is not None and package_refusal(kernel_id):
-        raise KernelBuildError(kernel_id, package_refusal(kernel_id))
+    missing = spec.package is not None and package_refusal(kernel_id)
+    if missing:
+        raise KernelBuildError(kernel_id, missing)
     pf_spec = PREPARE_FINALIZE.get(prepare_finalize_id)
     if pf_spec is None:
         raise KernelBuildError(kernel_id, f"unknown prepare/finalize id {prepare_finalize_id!r}; registered: "

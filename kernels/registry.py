@@ -144,8 +144,9 @@ def _probe_triton_kernels(scheme, in_dtype, device, weights) -> Optional[str]:
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"OpenAI triton_kernels runs on CUDA GPUs only, not on {device.type!r}"
     major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"the adapter lays MXFP4 weights out for sm90+ (Hopper swizzle), this GPU is sm{major}{minor}"
+    if major != 9:
+        return (f"the adapter lays MXFP4 weights out and sets triton_kernels' options for Hopper (sm90) only, as "
+                f"vLLM does there; this GPU is sm{major}{minor}")
     return None
 
 
@@ -155,7 +156,7 @@ ADAPTERS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("oai.triton_kernels", ".external.oai_triton:OaiTritonExperts", STANDARD,
                 frozenset({"mxfp4_w4a16/group32"}), frozenset({Activation.swigluoai}), frozenset({Dtype.bf16}), True,
                 _probe_triton_kernels,
-                "OpenAI triton_kernels matmul_ogs MXFP4 x bf16 MoE (gpt-oss), CUDA sm90+; weights converted once at "
+                "OpenAI triton_kernels matmul_ogs MXFP4 x bf16 MoE (gpt-oss), CUDA sm90; weights converted once at "
                 "build into its Hopper layout", needs_full_mx_groups=True, package="triton_kernels",
                 install_hint="pip install sglang-kernel==0.4.5 (it ships the unmodified package), or install "
                              "python/triton_kernels from the Triton repository at the tag of your Triton"),

@@ -26,8 +26,8 @@ from kernel_helpers import random_inputs, reference64, rel_err
 
 MXFP4 = "mxfp4_w4a16/group32"
 HAS_PACKAGE = importlib.util.find_spec("triton_kernels") is not None
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-needs_package_gpu = pytest.mark.skipif(not (HAS_PACKAGE and ON_HOPPER), reason="needs triton_kernels and an sm90+ GPU")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_package_gpu = pytest.mark.skipif(not (HAS_PACKAGE and ON_HOPPER), reason="needs triton_kernels and an sm90 GPU")
 
 
 def mx_weights(*, E=4, H=160, I=96, bias=True, device="cpu", seed=0):

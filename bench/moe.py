@@ -52,6 +52,28 @@ from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
 
 
+def time_us(fn, *, graph: bool, rep: int = 100) -> float:
+    """Median µs of fn() on the GPU (do_bench flushes L2 before every call). Graph mode captures one call and
+    replays it."""
+    import triton.testing
+    fn()  # compile / autotune outside the timed region
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            fn()
+        try:
+            return triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median") * 1e3
+        finally:
+            del g
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
 @dataclass(frozen=True)
 class Model:
     E: int
@@ -123,29 +145,12 @@ class Bench:
         return "cpu" if self.smoke else torch.cuda.get_device_name()
 
     def time_us(self, fn, *, graph: bool, rep: int = 100) -> float:
-        """Median µs of fn(). Graph mode captures one call and replays it."""
         if self.smoke:
             fn()
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e6
-        import triton.testing
-        fn()  # compile / autotune outside the timed region
-        torch.cuda.synchronize()
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(g):
-                fn()
-            try:
-                return triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median") * 1e3
-            finally:
-                del g
-        return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+        return time_us(fn, graph=graph, rep=rep)
 
     # ---- ceilings -------------------------------------------------------------------------
     def ceilings(self):

@@ -176,7 +176,7 @@ class Assembler:
                               "every (backend, dispatcher) pair needs a quantization rule")
         return Decision(
             outcome=Outcome.selected, backend=winner, kernel=backend.kernel,
-            external_package=backend.external.value if backend.external else None,
+            external_package=backend.external.value if backend.external else None, adapter=backend.adapter,
             prepare_finalize=dispatcher, prepare_finalize_kernel=self.ruleset.dispatchers[dispatcher].item.kernel,
             activation_format=backend.format, monolithic=backend.monolithic,
             quant=self._quant(quant_rule, expects, placement), padding=self._padding(placement),

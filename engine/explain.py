@@ -25,7 +25,8 @@ def explain_text(decision: Decision) -> str:
            f"rules:  {decision.rules_hash[:16]}  engine: {decision.engine}"]
     if decision.outcome == Outcome.selected:
         q, pad = decision.quant, decision.padding
-        kernel = decision.kernel or f"external package {decision.external_package}"
+        kernel = decision.kernel or (f"adapter {decision.adapter} over " if decision.adapter else "") + \
+            f"external package {decision.external_package}"
         out += [
             "",
             f"experts:          {decision.backend} (kernel {kernel}), selected by {decision.selected_by.value}"

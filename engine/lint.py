@@ -97,7 +97,7 @@ def _errors(report: LintReport, code: str, error: RuleSetError) -> None:
 def kernel_checks(ruleset: RuleSet, report: LintReport) -> None:
     """Kernel ids the registry does not know (imports the registry, hence torch: about a second)."""
     try:
-        from moerules.kernels.registry import EXPERTS, PREPARE_FINALIZE
+        from moerules.kernels.registry import ADAPTERS, EXPERTS, PREPARE_FINALIZE
     except ImportError as error:
         report.add("warning", "kernels.unchecked", f"kernel registry not importable ({error}); install torch to check ids")
         return
@@ -108,6 +108,12 @@ def kernel_checks(ruleset: RuleSet, report: LintReport) -> None:
                 report.add("warning", "kernels.unregistered",
                            f"{name} names kernel {kernel!r}, which is not registered (registered: "
                            f"{', '.join(sorted(registered))}); build() will refuse it", str(declared.source))
+    for name, declared in ruleset.backends.items():
+        adapter = declared.item.adapter
+        if adapter is not None and adapter not in ADAPTERS:
+            report.add("warning", "kernels.unregistered",
+                       f"{name} names adapter {adapter!r}, which is not registered (registered: "
+                       f"{', '.join(sorted(ADAPTERS))}); build() will refuse it", str(declared.source))
 
 
 def coverage(ruleset: RuleSet, report: LintReport, configs: Optional[Iterable[MoEConfig]] = None,

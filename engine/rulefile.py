@@ -37,6 +37,9 @@ class _Component(BaseModel):
     id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     kernel: Optional[str] = Field(None, pattern=_ID, description="Registry id of our own kernel, e.g. triton.fused_moe.")
     external: Optional[Package] = Field(None, description="Package an external kernel comes from; selectable only where present.")
+    adapter: Optional[str] = Field(None, pattern=_ID, description=(
+        "Registry id of the adapter (moerules.kernels.registry.ADAPTERS) that runs this external backend through its "
+        "package; only with 'external'. Without one, build() refuses the backend naming its package."))
     requires: list[Package] = Field([], description="Packages our own kernel needs (e.g. triton).")
     format: ActivationFormat = ActivationFormat.standard
     description: str = ""
@@ -54,6 +57,8 @@ class _Component(BaseModel):
     def _kernel_xor_external(self):
         if (self.kernel is None) == (self.external is None):
             raise ValueError("give exactly one of 'kernel' (a registered kernel id) or 'external' (a package)")
+        if self.adapter is not None and self.external is None:
+            raise ValueError("'adapter' runs an external package: give it together with 'external', not 'kernel'")
         return self
 
 

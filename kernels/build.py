@@ -15,7 +15,8 @@ from .errors import KernelBuildError
 from .layer import MoELayer, RoutingConfig
 from .lora import lora_refusal
 from .mx import MX_GROUP
-from .registry import EXPERTS, PREPARE_FINALIZE, experts_class, prepare_finalize_class
+from .registry import ADAPTERS, EXPERTS, PREPARE_FINALIZE, experts_class, experts_spec, package_refusal, \
+    prepare_finalize_class
 from .scheme import Scheme, UnsupportedScheme
 from .weights import MoEWeights, pad_weights
 
@@ -28,7 +29,8 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference"; batched format:
-        "triton.batched_moe", "torch.batched_reference").
+        "triton.batched_moe", "torch.batched_reference"), or an adapter's ("oai.triton_kernels"), which
+        imports its package here and converts `weights` into that package's layout once.
     prepare_finalize_id: "local", "allgather_reducescatter", "all2all" (standard format), "local_batched" or
         "all2all_batched" (batched format).
     quant / activation / in_dtype: the scheme, activation and compute dtype; `weights` must already
@@ -54,9 +56,13 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     cut from, `MoEWeights.origin`): any difference is a KernelBuildError on every rank, naming each field
     and every rank's value, within the collective timeout.
     """
-    spec = EXPERTS.get(kernel_id)
+    spec = experts_spec(kernel_id)
     if spec is None:
-        raise KernelBuildError(kernel_id, f"unknown kernel id; registered: {', '.join(sorted(EXPERTS))}")
+        raise KernelBuildError(kernel_id, f"unknown kernel id; registered: {', '.join(sorted(EXPERTS))}; "
+                                          f"adapters: {', '.join(sorted(ADAPTERS))}")
+    missing = spec.package is not None and package_refusal(kernel_id)
+    if missing:
+        raise KernelBuildError(kernel_id, missing)
     pf_spec = PREPARE_FINALIZE.get(prepare_finalize_id)
     if pf_spec is None:
         raise KernelBuildError(kernel_id, f"unknown prepare/finalize id {prepare_finalize_id!r}; registered: "
@@ -129,6 +135,7 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
     pf = pf_class(scheme=scheme, hidden_pad=hidden_pad, quantizes_inputs=not defer_input_quant, comm=comm,
                   placement=placement, num_local_experts=weights.num_experts)
     experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
+    experts.load_weights(weights)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
                     routing=routing, num_experts=placement.num_experts if placement else weights.num_experts)
 

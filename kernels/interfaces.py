@@ -123,6 +123,10 @@ class Experts(ABC):
     def bind(self, prepare_finalize: PrepareFinalize) -> None:
         self.prepare_finalize = prepare_finalize
 
+    def load_weights(self, weights: MoEWeights) -> None:
+        """Called once at build, after padding. Our kernels read `weights` as they are; adapters of external
+        kernels convert them here into their package's layout (never per call)."""
+
     @property
     def expects_unquantized_inputs(self) -> bool:
         """True when these experts quantise the activations themselves.

@@ -9,6 +9,7 @@ for its packages; so a mismatched request fails with a message instead of runnin
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -16,11 +17,11 @@ from typing import Callable, Optional
 import torch
 
 from moerules.activation import Activation, Dtype
-from moerules.quant import QuantFamily
+from moerules.quant import QuantConfig, QuantFamily
 
 from .activations import ACTIVATIONS, GATED_ACTIVATIONS
 from .interfaces import BATCHED, STANDARD, Experts, PrepareFinalize
-from .scheme import Scheme, scheme_cells
+from .scheme import Scheme, UnsupportedScheme, scheme_cells
 from .weights import MoEWeights
 
 ALL_CELLS = frozenset(scheme_cells())
@@ -44,6 +45,9 @@ class ExpertsSpec:
     refused_families: dict[QuantFamily, str] = field(default_factory=dict)
     # MX: hidden and intermediate (after padding) must be whole 32-element groups.
     needs_full_mx_groups: bool = False
+    # Adapters only: the import name of the external package they run, and how to install it.
+    package: Optional[str] = None
+    install_hint: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,54 @@ EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
                 "batched format, any device; torch.reference over the valid rows (tests and CPUs)"),
 ]}
 
+
+def _probe_triton_kernels(scheme, in_dtype, device, weights) -> Optional[str]:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"OpenAI triton_kernels runs on CUDA GPUs only, not on {device.type!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return (f"the adapter lays MXFP4 weights out and sets triton_kernels' options for Hopper (sm90) only, as "
+                f"vLLM does there; this GPU is sm{major}{minor}")
+    return None
+
+
+# External kernels run through an adapter (kernels/external): a backend declared `external:` in the rules
+# names one by id (`adapter:`). The package is imported only when the layer is built.
+ADAPTERS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
+    ExpertsSpec("oai.triton_kernels", ".external.oai_triton:OaiTritonExperts", STANDARD,
+                frozenset({"mxfp4_w4a16/group32"}), frozenset({Activation.swigluoai}), frozenset({Dtype.bf16}), True,
+                _probe_triton_kernels,
+                "OpenAI triton_kernels matmul_ogs MXFP4 x bf16 MoE (gpt-oss), CUDA sm90; weights converted once at "
+                "build into its Hopper layout", needs_full_mx_groups=True, package="triton_kernels",
+                install_hint="pip install sglang-kernel==0.4.5 (it ships the unmodified package), or install "
+                             "python/triton_kernels from the Triton repository at the tag of your Triton"),
+]}
+
+
+def package_refusal(adapter_id: str) -> Optional[str]:
+    """None if the adapter's package can be imported here, else what is missing and how to install it."""
+    spec = ADAPTERS[adapter_id]
+    if importlib.util.find_spec(spec.package) is None:
+        return f"package {spec.package!r} is not installed; {spec.install_hint}"
+    return None
+
+
+def adapter_refusal(adapter_id: str, quant: QuantConfig) -> Optional[str]:
+    """None if the adapter's package is installed and it runs weights of `quant`, else why not.
+
+    Checked before any weights exist: vLLM also runs W4A4/W4A8 requests on OAI triton_kernels (with bf16
+    activations), but moerules has no weights of those schemes to convert."""
+    missing = package_refusal(adapter_id)
+    if missing:
+        return missing
+    try:
+        cell = Scheme.from_quant(quant).cell
+    except UnsupportedScheme as exc:
+        return str(exc)
+    cells = ADAPTERS[adapter_id].cells
+    return None if cell in cells else f"it runs {', '.join(sorted(cells))}, not {cell}"
+
+
 PREPARE_FINALIZE: dict[str, PrepareFinalizeSpec] = {s.pf_id: s for s in [
     PrepareFinalizeSpec("local", ".prepare_finalize:LocalPrepareFinalize", STANDARD,
                         "no token exchange; with a process group (same tokens on every rank) all-reduces the "
@@ -160,8 +212,13 @@ def supported_cells() -> dict[str, dict]:
             for s in EXPERTS.values()}
 
 
+def experts_spec(kernel_id: str) -> Optional[ExpertsSpec]:
+    """Our kernel or an adapter of an external one, by id (None if neither)."""
+    return EXPERTS.get(kernel_id) or ADAPTERS.get(kernel_id)
+
+
 def experts_class(kernel_id: str) -> type[Experts]:
-    return load_factory(EXPERTS[kernel_id].factory)
+    return load_factory(experts_spec(kernel_id).factory)
 
 
 def prepare_finalize_class(pf_id: str) -> type[PrepareFinalize]:

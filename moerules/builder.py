@@ -1,8 +1,10 @@
 """`build(decision, weights)`: the layer a Decision names, on our registered kernels.
 
 An external backend (aiter, flashinfer, ...) may be the right decision for a platform,
-but moerules does not ship those kernels: building one fails with a message naming the
-backend and the package, never by quietly running something else.
+but moerules does not ship those kernels. One whose rules name an adapter (`adapter:`, e.g.
+oai_triton -> oai.triton_kernels) runs through its package where that package is installed;
+any other, or one whose package is missing, fails with a message naming the backend and the
+package, never by quietly running something else.
 """
 
 from __future__ import annotations
@@ -39,14 +41,7 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
-    for component, kernel, package in (("experts backend", decision.kernel, decision.external_package),
-                                       ("prepare/finalize", decision.prepare_finalize_kernel, None)):
-        if kernel is None:
-            name = decision.backend if component.startswith("experts") else decision.prepare_finalize
-            raise KernelUnavailableError(
-                f"{component} {name!r} is an external kernel from package {package or 'external'!r}; moerules "
-                "decided it for this platform but does not ship it. Install the package and call it, or pin "
-                f"one of our backends (features.backend), e.g. {', '.join(decision.alternatives) or 'triton'}")
+    _check_buildable(decision)
     if weights.lora is not None and not decision.config.features.lora:
         raise KernelUnavailableError(
             f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
@@ -59,11 +54,13 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     config = decision.config
     placement = _parallel_checks(decision, weights, group, placement)
     try:
-        return build_layer(kernel_id=decision.kernel, prepare_finalize_id=decision.prepare_finalize_kernel,
+        return build_layer(kernel_id=decision.kernel or decision.adapter,
+                           prepare_finalize_id=decision.prepare_finalize_kernel,
                            quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
                            activation_format=decision.activation_format.value,
                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
-                           weight_block=decision.quant.weight_block, weights=weights, device=device if device is not None else weights.device,
+                           weight_block=decision.quant.weight_block, weights=weights,
+                           device=device if device is not None else weights.device,
                            routing=routing if routing is not None else routing_for(decision),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
                            timeout_s=timeout_s, decision_key=_digest(decision) if group is not None else None)
@@ -75,6 +72,29 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
 def _digest(decision: Decision) -> str:
     """What the ranks of a group compare: their decisions, byte for byte (decisions are deterministic)."""
     return hashlib.sha256(decision.to_json().encode()).hexdigest()[:16]
+
+
+def _check_buildable(decision: Decision) -> None:
+    """Both components name something we can run here: our kernel, or an adapter whose package is installed."""
+    for component, kernel, package in (("experts backend", decision.kernel or decision.adapter,
+                                        decision.external_package),
+                                       ("prepare/finalize", decision.prepare_finalize_kernel, None)):
+        if kernel is None:
+            name = decision.backend if component.startswith("experts") else decision.prepare_finalize
+            raise KernelUnavailableError(
+                f"{component} {name!r} is an external kernel from package {package or 'external'!r}; moerules "
+                "decided it for this platform but does not ship it. Install the package and call it, or pin "
+                f"one of our backends (features.backend), e.g. {', '.join(decision.alternatives) or 'triton'}")
+    if decision.kernel is None:
+        try:
+            from moerules.kernels.registry import adapter_refusal
+        except ImportError:
+            return  # build() then says what the kernels need
+        missing = adapter_refusal(decision.adapter, decision.config.quant)
+        if missing:
+            raise KernelUnavailableError(
+                f"experts backend {decision.backend!r} runs through adapter {decision.adapter!r}: {missing}; "
+                f"or pin one of our backends (features.backend), e.g. {', '.join(decision.alternatives) or 'triton'}")
 
 
 def ranks_of(decision: Decision) -> int:

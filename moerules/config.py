@@ -308,6 +308,9 @@ class Features(BaseModel):
     lora: bool = Field(False, description="LoRA adapters on the experts.")
     batch_invariant: bool = Field(False, description="Results must not depend on batch composition.")
     backend: str = Field("auto", description="Requested experts backend: 'auto' or a backend id of the rule set.")
+    num_tokens_hint: int = Field(0, ge=0, description=(
+        "Tokens per forward the decision serves, where the engine knows it (e.g. the batch size of the CUDA graph "
+        "it builds the layer for); 0 = not known: rules that rank by it stay silent, as vLLM 0.33 decides."))
 
     @field_validator("backend")
     @classmethod

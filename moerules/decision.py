@@ -128,6 +128,8 @@ class Decision(BaseModel):
     backend: Optional[str] = None
     kernel: Optional[str] = None
     external_package: Optional[str] = None
+    # Registry id of the adapter that runs the external backend through its package (None: build() refuses it).
+    adapter: Optional[str] = None
     prepare_finalize: Optional[str] = None
     prepare_finalize_kernel: Optional[str] = None
     activation_format: Optional[ActivationFormat] = None

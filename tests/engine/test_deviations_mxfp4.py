@@ -84,3 +84,33 @@ def test_mxfp4_orders_follow_vllm_on_blackwell_consumer_and_hopper():
     oracle = VllmOracle()
     assert oracle.select(sm120).experts == "MarlinExperts"
     assert oracle.select(sm90).experts in ("OAITritonMxfp4ExpertsMonolithic", "OAITritonExperts")
+
+
+def test_oai_triton_is_refused_for_fp16_layers_that_vllm_would_select_and_then_fail_on():
+    config = _config("mxfp4_w4a16", {"vendor": "cuda", "arch": "sm_90", "packages": VLLM_CUDA}, in_dtype="fp16",
+                     activation="swigluoai", has_bias=True)
+    decision = decide(config)
+    assert decision.outcome == Outcome.selected and decision.backend != "oai_triton"
+    assert any(r.backend == "oai_triton" and r.rule == "oai_triton.bf16_inputs" for r in decision.rejections)
+    bf16 = decide(_config("mxfp4_w4a16", {"vendor": "cuda", "arch": "sm_90", "packages": VLLM_CUDA},
+                          in_dtype="bf16", activation="swigluoai", has_bias=True))
+    assert bf16.backend == "oai_triton"
+    answer = _vllm(config)   # asserts bf16 at its first forward (experts/gpt_oss_triton_kernels_moe.py:773)
+    assert answer.experts in ("OAITritonExperts", "OAITritonMxfp4ExpertsMonolithic")
+
+
+@pytest.mark.parametrize("hint,backend", [(0, "oai_triton"), (1, "triton"), (2, "triton"), (3, "oai_triton"),
+                                          (4096, "oai_triton")])
+def test_decode_sized_gpt_oss_layers_on_hopper_rank_our_triton_just_ahead_of_oai_triton(hint, backend):
+    config = MoEConfig(model=dict(num_experts=32, top_k=4, hidden_size=2880, intermediate_size=2880,
+                                  activation="swigluoai", has_bias=True),
+                       quant={"family": "mxfp4_w4a16"}, features={"num_tokens_hint": hint},
+                       platform={"vendor": "cuda", "arch": "sm_90", "packages": VLLM_CUDA})
+    decision = decide(config)
+    assert decision.backend == backend
+    rule = "mxfp4.priority.w4a16.sm90.decode" if hint in (1, 2) else "mxfp4.priority.w4a16.sm90"
+    assert rule in decision.trace and decision.alternatives[:2] == (
+        ("oai_triton", "flashinfer_cutlass") if backend == "triton" else ("flashinfer_cutlass", "humming"))
+    if hint == 1:
+        answer = _vllm(config)   # vLLM ranks OAI triton_kernels first on SM90 whatever the batch (oracle/mxfp4.py:402)
+        assert answer.experts in ("OAITritonExperts", "OAITritonMxfp4ExpertsMonolithic")

@@ -35,7 +35,7 @@ class BuildCase:
     def key(self) -> tuple:
         d, m = self.decision, self.decision.config.model
         q = d.config.quant
-        return (d.kernel, d.prepare_finalize_kernel, q.family.value, str(q.weight_key), str(q.activation_key),
+        return (d.kernel or d.adapter, d.prepare_finalize_kernel, q.family.value, str(q.weight_key), str(q.activation_key),
                 m.activation.value, m.in_dtype.value, m.has_bias, d.config.features.lora, d.padding.hidden_pad,
                 d.padding.intermediate_pad, d.quant.weight_block, d.quant.defer_input_quant,
                 m.hidden_size % 128 == 0, d.config.intermediate_per_partition % 128 == 0)
@@ -84,7 +84,8 @@ def _config(model, quant, platform, packages, lora, pin) -> MoEConfig:
 
 
 def build_cases(platform: dict, in_dtype: str) -> tuple[list[BuildCase], list[Decision]]:
-    """(distinct buildable cases of our kernels, decisions naming an external kernel)."""
+    """(distinct buildable cases: our kernels, and adapters whose package is installed here; decisions naming an
+    external kernel that cannot run here)."""
     ours: dict[tuple, BuildCase] = {}
     external: dict[tuple, Decision] = {}
     for config in configs(platform, in_dtype):
@@ -94,12 +95,20 @@ def build_cases(platform: dict, in_dtype: str) -> tuple[list[BuildCase], list[De
             continue
         if decision.outcome != Outcome.selected:
             continue
-        if decision.kernel is None or decision.prepare_finalize_kernel is None:
+        if not _runs_here(decision):
             external.setdefault((decision.backend, decision.prepare_finalize), decision)
             continue
         case = BuildCase(decision)
         ours.setdefault(case.key, case)
     return list(ours.values()), list(external.values())
+
+
+def _runs_here(decision: Decision) -> bool:
+    from moerules.kernels.registry import adapter_refusal
+    if decision.prepare_finalize_kernel is None:
+        return False
+    return decision.kernel is not None or (
+        decision.adapter is not None and adapter_refusal(decision.adapter, decision.config.quant) is None)
 
 
 def representatives(cases: list[BuildCase]) -> list[BuildCase]:
@@ -108,7 +117,7 @@ def representatives(cases: list[BuildCase]) -> list[BuildCase]:
     seen: dict[tuple, BuildCase] = {}
     for case in cases:
         d, m = case.decision, case.decision.config.model
-        key = (d.kernel, str(d.config.quant.weight_key), str(d.config.quant.activation_key), m.activation.gated,
+        key = (d.kernel or d.adapter, str(d.config.quant.weight_key), str(d.config.quant.activation_key), m.activation.gated,
                d.config.features.lora, bool(d.padding.hidden_pad or d.padding.intermediate_pad))
         seen.setdefault(key, case)
     return list(seen.values())

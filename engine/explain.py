@@ -14,7 +14,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 def _config_line(decision: Decision) -> str:
     c = decision.config
     m, p, q = c.model, c.parallel, c.quant
-    return (f"E={m.num_experts} top_k={m.top_k} hidden={m.hidden_size} intermediate={m.intermediate_size} "
+    return (f"E={m.num_experts} top_k={m.top_k} hidden={m.hidden_size} moe_intermediate={m.moe_intermediate_size} "
             f"({c.intermediate_per_partition}/partition) {m.activation.value} {m.in_dtype.value} "
             f"quant={q.family.value} | tp={p.tp} dp={p.dp} ep={p.ep_size} all2all={p.use_all2all} | "
             f"{c.platform.vendor.value} {c.platform.arch} | lora={c.features.lora} requested={decision.requested}")

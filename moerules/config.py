@@ -11,7 +11,9 @@ import re
 from enum import Enum
 from functools import lru_cache
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, computed_field, field_serializer, field_validator,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from moerules.activation import Activation, Dtype
 from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS, MAX_LAYER_DIM, MAX_RANKS
@@ -54,13 +56,24 @@ class Routing(str, Enum):
     llama4 = "llama4"
 
 
+# Old field names that now mean something else, with why and the new name: refused, never read as the new one.
+RENAMED_MODEL_FIELDS = {
+    "intermediate_size": "model.intermediate_size was renamed model.moe_intermediate_size: the per-expert size. "
+                         "Hugging Face's `intermediate_size` is the dense MLP's on most MoE models (Qwen3-30B-A3B: "
+                         "6144 dense, 768 per expert); take `moe_intermediate_size` from config.json, or use "
+                         "MoEConfig.from_hf",
+}
+
+
 class ModelShape(_Record):
 
     num_experts: int = Field(ge=1, le=4096, description="Global number of routed experts.")
     top_k: int = Field(ge=1, le=4096, description="Experts per token.")
     hidden_size: int = Field(ge=1, le=MAX_LAYER_DIM, description="Model hidden size (K of GEMM1, N of GEMM2).")
-    intermediate_size: int = Field(ge=1, le=MAX_LAYER_DIM,
-                                   description="Expert intermediate size before tensor-parallel sharding.")
+    moe_intermediate_size: int = Field(ge=1, le=MAX_LAYER_DIM,
+                                       description="Per-expert intermediate size before tensor-parallel sharding "
+                                                   "(Hugging Face `moe_intermediate_size`; Mixtral's "
+                                                   "`intermediate_size`).")
     activation: Activation = Activation.silu
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
     in_dtype: Dtype = Dtype.bf16
@@ -70,6 +83,17 @@ class ModelShape(_Record):
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
                               description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
                                           "turns some kernels off per model type.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data):
+        """Refuse a field's old name, at that field, naming the new one (extra="forbid" would only say 'unknown')."""
+        if isinstance(data, dict):
+            errors = [InitErrorDetails(type=PydanticCustomError("renamed_field", message), loc=(old,), input=data[old])
+                      for old, message in RENAMED_MODEL_FIELDS.items() if old in data]
+            if errors:
+                raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -328,15 +352,15 @@ class MoEConfig(_Record):
     @model_validator(mode="after")
     def _intermediate_shards_evenly(self) -> "MoEConfig":
         tp = self.parallel.moe_tp
-        if self.model.intermediate_size % tp:
-            raise ValueError(f"model.intermediate_size={self.model.intermediate_size} is not divisible by the "
-                             f"MoE tensor-parallel size {tp} (parallel.tp * parallel.dp without expert_parallel)")
+        if self.model.moe_intermediate_size % tp:
+            raise ValueError(f"model.moe_intermediate_size={self.model.moe_intermediate_size} is not divisible by "
+                             f"the MoE tensor-parallel size {tp} (parallel.tp * parallel.dp without expert_parallel)")
         return self
 
     @computed_field
     @property
     def intermediate_per_partition(self) -> int:
-        return self.model.intermediate_size // self.parallel.moe_tp
+        return self.model.moe_intermediate_size // self.parallel.moe_tp
 
     @computed_field
     @property

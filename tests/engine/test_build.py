@@ -14,7 +14,7 @@ from moerules.run import run_example
 from decision_helpers import config, cuda, rocm
 
 CPU = {"vendor": "cpu", "arch": "x86_64", "packages": []}
-SMALL = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=96, in_dtype="fp32")
+SMALL = dict(num_experts=4, top_k=2, hidden_size=64, moe_intermediate_size=96, in_dtype="fp32")
 
 
 def weights_for(decision, seed=0):

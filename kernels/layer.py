@@ -18,7 +18,9 @@ from .weights import MoEWeights, pad_lora
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How router logits become top-k. `num_expert_group` set -> DeepSeek-V3 grouped sigmoid routing."""
+    """How router logits become top-k. Softmax without groups, bias or scaling is the fused softmax top-k;
+    anything else (sigmoid scores, `num_expert_group` groups, a correction bias, a scaling factor) runs
+    `grouped_topk` (one group is plain top-k)."""
 
     top_k: int
     renormalize: bool = True
@@ -26,6 +28,12 @@ class RoutingConfig:
     topk_group: Optional[int] = None
     routed_scaling_factor: float = 1.0
     e_score_correction_bias: Optional[torch.Tensor] = None
+    scoring: str = "softmax"
+
+    @property
+    def plain_softmax(self) -> bool:
+        return (self.scoring == "softmax" and self.num_expert_group is None and self.e_score_correction_bias is None
+                and self.routed_scaling_factor == 1.0)
 
 
 class MoELayer:
@@ -75,11 +83,12 @@ class MoELayer:
         r = self.routing
         if r is None:
             raise ValueError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
-        if r.num_expert_group is not None:
-            return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group,
-                                topk_group=r.topk_group, e_score_correction_bias=r.e_score_correction_bias,
-                                renormalize=r.renormalize, routed_scaling_factor=r.routed_scaling_factor)
-        return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
+        if r.plain_softmax:
+            return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
+        return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group or 1,
+                            topk_group=r.topk_group or 1, e_score_correction_bias=r.e_score_correction_bias,
+                            renormalize=r.renormalize, routed_scaling_factor=r.routed_scaling_factor,
+                            scoring=r.scoring)
 
     def forward(self, x: torch.Tensor, *, router_logits: Optional[torch.Tensor] = None,
                 topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:

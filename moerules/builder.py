@@ -14,13 +14,38 @@ from moerules.decision import Decision, Outcome
 from moerules.errors import KernelUnavailableError
 
 
-def routing_for(decision: Decision):
-    """Router settings for softmax-style routing; others need topk_ids/topk_weights from the caller."""
+# Scores and renormalisation of each routing method (vLLM get_routing_method_type, fused_moe/config.py:135-169).
+# `renormalize` (top-k of the logits, then softmax) is softmax, top-k, renormalise: the same weights.
+_ROUTING_MATH = {Routing.softmax_renormalize: ("softmax", True), Routing.renormalize: ("softmax", True),
+                 Routing.softmax: ("softmax", False), Routing.sigmoid: ("sigmoid", False),
+                 Routing.sigmoid_renormalize: ("sigmoid", True), Routing.deepseek_v3: ("sigmoid", True),
+                 Routing.minimax2: ("sigmoid", True)}
+# The methods vLLM names only when the router has an e_score_correction_bias.
+BIASED_ROUTING = frozenset({Routing.deepseek_v3, Routing.minimax2})
+
+
+def routing_for(decision: Decision, *, correction_bias=None):
+    """The layer's router settings, from the decision's config (method, groups, scaling factor) and, for
+    the biased methods, the router's `correction_bias` tensor (MoEWeights.correction_bias)."""
     from moerules.kernels import RoutingConfig
     model = decision.config.model
-    if model.routing in (Routing.softmax_renormalize, Routing.softmax):
-        return RoutingConfig(top_k=model.top_k, renormalize=model.routing == Routing.softmax_renormalize)
-    return None
+    if model.routing not in _ROUTING_MATH:
+        raise KernelUnavailableError(f"model.routing={model.routing.value!r} applies the router weights to the "
+                                     "layer's input, which moerules kernels do not implement; route outside and "
+                                     "scale the input yourself, or pick another routing")
+    if model.routing in BIASED_ROUTING and correction_bias is None:
+        raise KernelUnavailableError(f"model.routing={model.routing.value!r} needs the router's correction bias "
+                                     "(e_score_correction_bias): set MoEWeights.correction_bias to the checkpoint's "
+                                     "tensor")
+    if model.routing not in BIASED_ROUTING and correction_bias is not None:
+        raise KernelUnavailableError(f"MoEWeights.correction_bias is set but model.routing={model.routing.value!r} "
+                                     f"takes none (only {', '.join(sorted(r.value for r in BIASED_ROUTING))} do)")
+    scoring, renormalize = _ROUTING_MATH[model.routing]
+    grouped = model.routing_groups > 1
+    return RoutingConfig(top_k=model.top_k, renormalize=renormalize, scoring=scoring,
+                         num_expert_group=model.routing_groups if grouped else None,
+                         topk_group=model.routing_topk_groups if grouped else None,
+                         routed_scaling_factor=model.routed_scaling_factor, e_score_correction_bias=correction_bias)
 
 
 def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None):
@@ -63,7 +88,8 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                            activation_format=decision.activation_format.value,
                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
                            weight_block=decision.quant.weight_block, weights=weights, device=device if device is not None else weights.device,
-                           routing=routing if routing is not None else routing_for(decision),
+                           routing=routing if routing is not None else routing_for(
+                               decision, correction_bias=weights.correction_bias),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
                            timeout_s=timeout_s)
     except KernelBuildError as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from functools import lru_cache
+from typing import ClassVar
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, computed_field, field_serializer, field_validator,
                       model_validator)
@@ -83,6 +84,25 @@ class ModelShape(_Record):
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
                               description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
                                           "turns some kernels off per model type.")
+    swiglu_limit: float = Field(7.0, gt=0, le=1e4, allow_inf_nan=False,
+                                description="swigluoai clamp: gate <= limit, -limit <= up <= limit (gpt-oss "
+                                            "swiglu_limit).")
+    swiglu_alpha: float = Field(1.702, gt=0, le=1e4, allow_inf_nan=False,
+                                description="swigluoai sigmoid gain: gate * sigmoid(alpha * gate) (gpt-oss).")
+    routing_groups: int = Field(1, ge=1, le=4096, description="Expert groups of group-limited routing (Hugging Face "
+                                                              "n_group; 1: no groups).")
+    routing_topk_groups: int = Field(1, ge=1, le=4096, description="Groups a token may pick experts from "
+                                                                   "(Hugging Face topk_group).")
+    routed_scaling_factor: float = Field(1.0, gt=0, le=1e4, allow_inf_nan=False,
+                                         description="Factor on the routed experts' weights (DeepSeek, GLM-4-MoE).")
+    shared_experts: int = Field(0, ge=0, le=64, description="Shared experts every token runs besides the routed ones "
+                                                            "(a dense MLP of shared_intermediate_size).")
+    shared_intermediate_size: int = Field(0, ge=0, le=MAX_LAYER_DIM,
+                                          description="Intermediate size of the shared experts' MLP, all of them "
+                                                      "together.")
+
+    # Kernel math, not kernel choice: floats, which rules cannot compare, so they are not facts.
+    MATH_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset({"swiglu_limit", "swiglu_alpha", "routed_scaling_factor"})
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +127,25 @@ class ModelShape(_Record):
     def _top_k_within_experts(self) -> "ModelShape":
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> "ModelShape":
+        groups, picked = self.routing_groups, self.routing_topk_groups
+        if self.num_experts % groups:
+            raise ValueError(f"num_experts={self.num_experts} does not split into routing_groups={groups}")
+        if picked > groups:
+            raise ValueError(f"routing_topk_groups={picked} exceeds routing_groups={groups}")
+        if self.top_k > picked * (self.num_experts // groups):
+            raise ValueError(f"top_k={self.top_k} exceeds the {picked * (self.num_experts // groups)} experts of "
+                             f"routing_topk_groups={picked} groups of {self.num_experts // groups}")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_experts_sized(self) -> "ModelShape":
+        if (self.shared_experts > 0) != (self.shared_intermediate_size > 0):
+            raise ValueError(f"shared_experts={self.shared_experts} and shared_intermediate_size="
+                             f"{self.shared_intermediate_size} must both be set, or both 0")
         return self
 
     @computed_field
@@ -378,7 +417,8 @@ class MoEConfig(_Record):
         """The config as the fully-populated fact the rule engines match against, flat: dotted
         names such as `platform.arch` (durable-rules flattens nested objects the same way)."""
         flat = {}
-        for section, data in self.model_dump(mode="json", exclude={"quant"}).items():
+        for section, data in self.model_dump(mode="json", exclude={"quant": True,
+                                                                   "model": ModelShape.MATH_ONLY_FIELDS}).items():
             if isinstance(data, dict):
                 flat.update((f"{section}.{name}", value) for name, value in data.items())
             else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from functools import lru_cache
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, computed_field, field_serializer, field_validator,
                       model_validator)
@@ -387,6 +387,20 @@ class MoEConfig(_Record):
     platform: Platform = Platform()
     features: Features = Features()
     switches: Switches = Switches()
+
+    @classmethod
+    def from_hf(cls, config_json_or_dict, *, platform=None, parallel=None, layer: Optional[int] = None,
+                features=None, switches=None) -> "MoEConfig":
+        """The config of a Hugging Face model's MoE layers (or of MoE layer `layer`) in a deployment.
+
+        `config_json_or_dict`: a config.json path, a model folder, or the dict; `platform`, `parallel`,
+        `features`, `switches`: the other sections (records or dicts; default as in MoEConfig). Raises
+        HFConfigError naming the config.json field that does not map (see moerules.hf_config).
+        """
+        from moerules.hf_config import hf_sections
+        sections = hf_sections(config_json_or_dict, layer=layer)
+        given = {"platform": platform, "parallel": parallel, "features": features, "switches": switches}
+        return cls.model_validate({**sections, **{name: value for name, value in given.items() if value is not None}})
 
     @model_validator(mode="after")
     def _intermediate_shards_evenly(self) -> "MoEConfig":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,7 +38,8 @@ class RoutingConfig:
 
 class MoELayer:
     def __init__(self, *, prepare_finalize: PrepareFinalize, experts: Experts, weights: MoEWeights,
-                 hidden_size: int, routing: Optional[RoutingConfig] = None, num_experts: Optional[int] = None):
+                 hidden_size: int, routing: Optional[RoutingConfig] = None, num_experts: Optional[int] = None,
+                 shared_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.weights = weights
@@ -46,6 +47,7 @@ class MoELayer:
         self.routing = routing
         # Global experts, which router logits and topk ids refer to; under EP `weights` hold only this rank's.
         self.num_experts = num_experts if num_experts is not None else weights.num_experts
+        self.shared_experts = shared_experts  # added to the routed output, on every token
         experts.bind(prepare_finalize)
 
     @property
@@ -127,6 +129,7 @@ class MoELayer:
             batched["expert_num_tokens"] = prepared.expert_num_tokens
         out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
                                  topk_weights=prepared.topk_weights, a_scale=prepared.a_scale, **batched)
-        return self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
+        out = self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     __call__ = forward

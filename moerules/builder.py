@@ -48,7 +48,8 @@ def routing_for(decision: Decision, *, correction_bias=None):
                          routed_scaling_factor=model.routed_scaling_factor, e_score_correction_bias=correction_bias)
 
 
-def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None):
+def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None,
+          shared_experts=None):
     """A runnable MoE layer (prepare -> experts -> finalize) for a selected decision.
 
     `weights` are `moerules.kernels.MoEWeights` in the decision's quant scheme (see
@@ -60,6 +61,8 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     `timeout_s` bounds every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
     LoRA adapters on the weights need a decision made with features.lora (without adapters such
     a decision still builds: they can arrive later through `MoELayer.set_lora`).
+    `shared_experts`: a callable [T, H] -> [T, H] computing the model's shared experts, added to the output;
+    required exactly when the config has model.shared_experts (they are never dropped silently).
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
@@ -75,6 +78,7 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
         raise KernelUnavailableError(
             f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
             f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
+    _shared_experts_check(decision.config.model, shared_experts)
     try:
         from moerules.kernels import KernelBuildError, build_layer
     except ImportError as error:
@@ -91,10 +95,21 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                            routing=routing if routing is not None else routing_for(
                                decision, correction_bias=weights.correction_bias),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, shared_experts=shared_experts)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None
+
+
+def _shared_experts_check(model, shared_experts) -> None:
+    if model.shared_experts and shared_experts is None:
+        raise KernelUnavailableError(
+            f"model.shared_experts={model.shared_experts} (shared_intermediate_size={model.shared_intermediate_size}): "
+            "moerules layers compute the routed experts; pass shared_experts= (a callable [T, H] -> [T, H], e.g. the "
+            "model's shared MLP) so the layer adds them, or decide with shared_experts=0 if they run elsewhere")
+    if shared_experts is not None and not model.shared_experts:
+        raise KernelUnavailableError("shared_experts= was passed but the decision's config has model.shared_experts=0; "
+                                     "set model.shared_experts and shared_intermediate_size")
 
 
 def ranks_of(decision: Decision) -> int:

@@ -46,6 +46,10 @@ class HFConfigError(MoeRulesError, ValueError):
         super().__init__(f"{source}: {field}: {message}")
 
 
+class CheckpointError(MoeRulesError):
+    """A checkpoint's tensors are missing, or laid out or quantised in a way moerules does not load."""
+
+
 class RuleSetError(MoeRulesError):
     """Several rule-file errors found in one load; all are reported, not just the first."""
 

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.quant import QuantConfig
 
 from .activations import is_interleaved
@@ -24,7 +24,8 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
                 in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
                 weight_block: Optional[int] = None, weights: MoEWeights, device: Union[str, torch.device],
                 routing: Optional[RoutingConfig] = None, defer_input_quant: bool = False, group=None, placement=None,
-                timeout_s: Optional[float] = None, shared_experts: Optional[Callable] = None) -> MoELayer:
+                timeout_s: Optional[float] = None, shared_experts: Optional[Callable] = None,
+                swiglu: SwigluParams = SwigluParams()) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference"; batched format:
@@ -43,6 +44,7 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         that name the scheme themselves): the scheme's own block. `moerules.build` always passes the decision's.
     routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
     defer_input_quant: the dispatcher ships unquantised activations and the experts quantise them.
+    swiglu: swigluoai's clamp limit and sigmoid gain (the model's `swiglu_limit` / `swiglu_alpha`).
     shared_experts: the model's shared experts, a callable [T, H] -> [T, H] run on every token; its output
         is added to the routed experts' (DeepSeek, Qwen2-MoE, Llama-4, GLM-4-MoE).
     group / placement: expert parallelism (kernels/ep): the torch.distributed process group and the
@@ -120,7 +122,7 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, str(exc)) from None
     pf = pf_class(scheme=scheme, hidden_pad=hidden_pad, quantizes_inputs=not defer_input_quant, comm=comm,
                   placement=placement, num_local_experts=weights.num_experts)
-    experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
+    experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id, swiglu=swiglu)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
                     routing=routing, num_experts=placement.num_experts if placement else weights.num_experts,
                     shared_experts=shared_experts)

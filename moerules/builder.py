@@ -95,7 +95,7 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                            routing=routing if routing is not None else routing_for(
                                decision, correction_bias=weights.correction_bias),
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
-                           timeout_s=timeout_s, shared_experts=shared_experts)
+                           timeout_s=timeout_s, shared_experts=shared_experts, swiglu=config.model.swiglu)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None

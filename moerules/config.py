@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, computed_fi
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS, MAX_LAYER_DIM, MAX_RANKS
 from moerules.quant import QuantConfig
 
@@ -84,10 +84,10 @@ class ModelShape(_Record):
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
                               description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
                                           "turns some kernels off per model type.")
-    swiglu_limit: float = Field(7.0, gt=0, le=1e4, allow_inf_nan=False,
+    swiglu_limit: float = Field(SwigluParams.limit, gt=0, le=1e4, allow_inf_nan=False,
                                 description="swigluoai clamp: gate <= limit, -limit <= up <= limit (gpt-oss "
                                             "swiglu_limit).")
-    swiglu_alpha: float = Field(1.702, gt=0, le=1e4, allow_inf_nan=False,
+    swiglu_alpha: float = Field(SwigluParams.alpha, gt=0, le=1e4, allow_inf_nan=False,
                                 description="swigluoai sigmoid gain: gate * sigmoid(alpha * gate) (gpt-oss).")
     routing_groups: int = Field(1, ge=1, le=4096, description="Expert groups of group-limited routing (Hugging Face "
                                                               "n_group; 1: no groups).")
@@ -147,6 +147,11 @@ class ModelShape(_Record):
             raise ValueError(f"shared_experts={self.shared_experts} and shared_intermediate_size="
                              f"{self.shared_intermediate_size} must both be set, or both 0")
         return self
+
+    @property
+    def swiglu(self) -> SwigluParams:
+        """The swigluoai parameters as the kernels take them."""
+        return SwigluParams(limit=self.swiglu_limit, alpha=self.swiglu_alpha)
 
     @computed_field
     @property

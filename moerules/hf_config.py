@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from moerules.activation import SwigluParams
 from moerules.errors import HFConfigError
 from moerules.hf_quant import quant_section
 
@@ -163,7 +164,8 @@ def _biased_grouped_routing(r: _Reader) -> dict:
 def _gpt_oss(r: _Reader) -> dict:
     """Top-k of the logits, then softmax; clamped SwiGLU with (up + 1) on interleaved rows; expert biases."""
     return {"routing": "renormalize", "activation": "swigluoai", "has_bias": True,
-            "swiglu_limit": r.get("swiglu_limit", float, 7.0), "swiglu_alpha": r.get("swiglu_alpha", float, 1.702)}
+            "swiglu_limit": r.get("swiglu_limit", float, SwigluParams.limit),
+            "swiglu_alpha": r.get("swiglu_alpha", float, SwigluParams.alpha)}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moerules import build, decide
+from moerules.activation import SwigluParams
 from moerules.errors import KernelUnavailableError
 from moerules.kernels import make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
@@ -136,3 +137,26 @@ def test_biased_routing_without_the_bias_is_refused_by_name():
     with pytest.raises(KernelUnavailableError, match=r"model.routing='deepseek_v3' needs the router's correction "
                                                      r"bias \(e_score_correction_bias\)"):
         build(decision, weights_for(decision))
+
+
+def test_the_configs_swiglu_parameters_reach_the_built_experts():
+    decision = decide(config(dict(SMALL, activation="swigluoai", swiglu_limit=5.0, swiglu_alpha=1.5), platform=CPU))
+    layer = build(decision, make_random_weights(num_experts=4, hidden=64, intermediate=96, quant=decision.config.quant,
+                                                in_dtype=decision.config.model.in_dtype, has_bias=False, seed=0,
+                                                device="cpu"))
+    assert layer.experts.swiglu == SwigluParams(limit=5.0, alpha=1.5)
+    assert "model.swiglu_limit" not in decision.config.facts()   # kernel math, not a rule fact
+
+
+def test_shared_experts_run_in_the_layer_or_the_build_is_refused_by_name():
+    decision = decide(config(dict(SMALL, shared_experts=1, shared_intermediate_size=32), platform=CPU))
+    with pytest.raises(KernelUnavailableError, match=r"model.shared_experts=1 \(shared_intermediate_size=32\): "
+                                                     r"moerules layers compute the routed experts; pass shared_experts="):
+        build(decision, weights_for(decision))
+    shared = torch.nn.Linear(64, 64, bias=False)
+    layer = build(decision, weights_for(decision), shared_experts=shared)
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    w = torch.full((5, 2), 0.5)
+    routed = build(decide(config(SMALL, platform=CPU)), weights_for(decision))(x, topk_ids=ids, topk_weights=w)
+    torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), routed + shared(x))

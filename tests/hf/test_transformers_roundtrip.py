@@ -19,6 +19,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from moerules.activation import SwigluParams  # noqa: E402
 from moerules.errors import CheckpointError, KernelUnavailableError  # noqa: E402
 from moerules.integrations.hf_checkpoint import load_experts  # noqa: E402
 from moerules.integrations.transformers import MoERulesBlock, replace_moe  # noqa: E402
@@ -161,3 +162,19 @@ def test_unmapped_architectures_are_refused_by_name(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(KernelUnavailableError, match="MoE blocks of model_type 'granitemoe' are not replaced"):
         replace_moe(model, tmp_path, platform=CPU)
+
+
+def test_gpt_oss_swiglu_limit_and_alpha_come_from_the_checkpoint_config(tmp_path):
+    """A limit that clamps these small activations (~0.2): the kernels must use the model's values."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **ATTENTION, intermediate_size=64, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention"], swiglu_limit=0.1, swiglu_alpha=1.2)).eval()
+    model.save_pretrained(tmp_path)
+    error, decisions = round_trip(model, tmp_path)
+    assert (decisions[0].config.model.swiglu_limit, decisions[0].config.model.swiglu_alpha) == (0.1, 1.2)
+    assert error < TOLERANCE, error
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    want = logits(transformers.GptOssForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval(), ids)
+    model.model.layers[0].mlp.layer.experts.swiglu = SwigluParams()
+    assert relative_error(logits(model, ids), want) > 100 * TOLERANCE

@@ -176,20 +176,24 @@ class _Architecture:
     is_moe_layer: Callable[[_Reader, int], bool] = _every_layer
     shared: Callable[[_Reader, int], tuple[int, int]] = _no_shared
     text_config: bool = False                      # the decoder's fields sit under `text_config`
+    block: str = "mlp"                             # the MoE block's module name in the checkpoint's decoder layers
+    linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")   # an expert's (gate, up, down) modules
 
 
 # transformers 5 writes num_local_experts for every model type (its attribute_map); config.json files do not.
 _LOCAL, _NUM, _ROUTED = ("num_local_experts",), ("num_experts", "num_local_experts"), ("n_routed_experts",
                                                                                       "num_local_experts")
 ARCHITECTURES: dict[str, _Architecture] = {
-    "mixtral": _Architecture(_LOCAL, "intermediate_size", _fixed("softmax_renormalize")),
+    "mixtral": _Architecture(_LOCAL, "intermediate_size", _fixed("softmax_renormalize"), block="block_sparse_moe",
+                             linears=("w1", "w3", "w2")),
     "qwen2_moe": _Architecture(_NUM, "moe_intermediate_size", _norm_topk(False), _qwen_sparse,
                                _qwen2_shared),
     "qwen3_moe": _Architecture(_NUM, "moe_intermediate_size", _norm_topk(True), _qwen_sparse),
     "olmoe": _Architecture(_NUM, "intermediate_size", _norm_topk(False)),
-    "granitemoe": _Architecture(_LOCAL, "intermediate_size", _fixed("renormalize")),
-    "granitemoeshared": _Architecture(_LOCAL, "intermediate_size", _fixed("renormalize"),
-                                      shared=_granite_shared),
+    "granitemoe": _Architecture(_LOCAL, "intermediate_size", _fixed("renormalize"), block="block_sparse_moe",
+                                linears=("input_linear", "input_linear", "output_linear")),
+    "granitemoeshared": _Architecture(_LOCAL, "intermediate_size", _fixed("renormalize"), block="block_sparse_moe",
+                                      linears=("input_linear", "input_linear", "output_linear"), shared=_granite_shared),
     "deepseek_v2": _Architecture(_ROUTED, "moe_intermediate_size", _deepseek_v2_routing,
                                  _deepseek_dense_first, _deepseek_shared),
     "deepseek_v3": _Architecture(_ROUTED, "moe_intermediate_size", _biased_grouped_routing,
@@ -198,13 +202,15 @@ ARCHITECTURES: dict[str, _Architecture] = {
                              _deepseek_dense_first, _deepseek_shared),
     "glm4_moe": _Architecture(_ROUTED, "moe_intermediate_size", _biased_grouped_routing,
                               _deepseek_dense_first, _deepseek_shared),
-    "gpt_oss": _Architecture(_LOCAL, "intermediate_size", _gpt_oss),
+    "gpt_oss": _Architecture(_LOCAL, "intermediate_size", _gpt_oss, linears=("gate_up_proj", "gate_up_proj", "down_proj")),
     "llama4": _Architecture(_LOCAL, "intermediate_size", _fixed("llama4"), _llama4_interleaved,
-                            _llama4_shared, text_config=True),
+                            _llama4_shared, text_config=True, block="feed_forward",
+                            linears=("gate_up_proj", "gate_up_proj", "down_proj")),
 }
 # transformers' text-only model types read like their multimodal parent.
 ARCHITECTURES["llama4_text"] = _Architecture(_LOCAL, "intermediate_size", _fixed("llama4"),
-                                             _llama4_interleaved, _llama4_shared)
+                                             _llama4_interleaved, _llama4_shared, block="feed_forward",
+                                             linears=("gate_up_proj", "gate_up_proj", "down_proj"))
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh"}
@@ -272,7 +278,10 @@ def hf_sections(source: Union[str, Path, dict], *, layer: Optional[int] = None) 
              "shared_experts": layers.shared_experts, "shared_intermediate_size": layers.shared_intermediate_size}
     model.update(arch.routing(r))
     quantization = data.get("quantization_config")
-    return {"model": model, "quant": quant_section(quantization, name) if quantization is not None else {}}
+    index = layer if layer is not None else layers.moe_layers[0]
+    expert = f"model.layers.{index}.{arch.block}.experts.0.{arch.linears[0]}"
+    quant = quant_section(quantization, name, expert_module=expert) if quantization is not None else {}
+    return {"model": model, "quant": quant}
 
 
 def _activation(r: _Reader) -> str:

@@ -8,6 +8,8 @@ refused naming the field; nothing is guessed.
 
 from __future__ import annotations
 
+import re
+from fnmatch import fnmatchcase
 from typing import Optional
 
 from moerules.errors import HFConfigError
@@ -16,16 +18,33 @@ _FIELD = "quantization_config"
 _GROUP_GRANULARITY = {128: "group128", 32: "group32", -1: "channel"}
 
 
-def quant_section(config, source: str) -> dict:
-    """QuantConfig fields for a `quantization_config` dict."""
+def quant_section(config, source: str, *, expert_module: str) -> dict:
+    """QuantConfig fields for a `quantization_config` dict; {} (unquantised) when its exclusion list
+    (`modules_to_not_convert`, compressed-tensors' `ignore`) names `expert_module`, an expert's linear."""
     if not isinstance(config, dict):
         raise HFConfigError(_FIELD, f"expected an object, got {config!r}", source=source)
+    for field in ("modules_to_not_convert", "ignore"):
+        excluded = config.get(field) or []
+        if not isinstance(excluded, list) or not all(isinstance(entry, str) for entry in excluded):
+            raise HFConfigError(f"{_FIELD}.{field}", f"expected a list of module names, got {excluded!r}", source=source)
+        if any(_names(entry, expert_module) for entry in excluded):
+            return {}
     method = config.get("quant_method")
     mapper = _METHODS.get(method) if isinstance(method, str) else None
     if mapper is None:
         raise HFConfigError(f"{_FIELD}.quant_method", f"{method!r} is not mapped; known: {', '.join(_METHODS)}",
                             source=source)
     return mapper(config, source)
+
+
+def _names(entry: str, module: str) -> bool:
+    """Whether an exclusion entry covers `module`: a compressed-tensors `re:` pattern, a glob
+    (gpt-oss's `model.layers.*.self_attn`), or a module name or suffix (transformers' substring test)."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module) is not None
+    if any(c in entry for c in "*?["):
+        return fnmatchcase(module, entry) or fnmatchcase(module, entry + ".*")
+    return entry in module
 
 
 def _fp8(config: dict, source: str) -> dict:

@@ -15,7 +15,6 @@ Needs torch and safetensors; transformers is not imported.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -24,24 +23,16 @@ import torch
 from moerules.builder import BIASED_ROUTING
 from moerules.config import MoEConfig
 from moerules.errors import CheckpointError
-from moerules.hf_config import read_hf_config
+from moerules.hf_config import ARCHITECTURES, read_hf_config
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.weights import MoEWeights
 from moerules.quant import QuantFamily
 
 
-@dataclass(frozen=True)
-class _PerExpert:
-    block: str
-    gate: str
-    up: str
-    down: str
-
-
-_QWEN_STYLE = _PerExpert("mlp", "gate_proj", "up_proj", "down_proj")
-LAYOUTS = {"mixtral": _PerExpert("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": _QWEN_STYLE,
-           "qwen3_moe": _QWEN_STYLE, "olmoe": _QWEN_STYLE, "deepseek_v2": _QWEN_STYLE, "deepseek_v3": _QWEN_STYLE,
-           "kimi_k2": _QWEN_STYLE, "glm4_moe": _QWEN_STYLE, "gpt_oss": "fused"}
+# Model types by how their checkpoints store the experts; the module names are hf_config.ARCHITECTURES'.
+PER_EXPERT = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2",
+                        "glm4_moe"})
+FUSED_GPT_OSS = frozenset({"gpt_oss"})
 
 
 class _Tensors:
@@ -68,9 +59,6 @@ class _Tensors:
                                   "Hugging Face one this architecture's config names")
         return handle.get_tensor(name)
 
-    def has(self, name: str) -> bool:
-        return name in self.where
-
 
 def load_experts(checkpoint: Union[str, Path], layer: int, *, config: Optional[MoEConfig] = None,
                  device: Union[str, torch.device] = "cpu") -> MoEWeights:
@@ -80,18 +68,20 @@ def load_experts(checkpoint: Union[str, Path], layer: int, *, config: Optional[M
     folder = Path(checkpoint)
     hf, _ = read_hf_config(folder)
     config = config if config is not None else MoEConfig.from_hf(hf, layer=layer)
-    layout = LAYOUTS.get(config.model.architecture)
-    if layout is None:
-        raise CheckpointError(f"{folder}: checkpoints of model_type {config.model.architecture!r} are not mapped; "
-                              f"known: {', '.join(sorted(LAYOUTS))}")
+    model_type = config.model.architecture
+    if model_type not in PER_EXPERT | FUSED_GPT_OSS:
+        raise CheckpointError(f"{folder}: checkpoints of model_type {model_type!r} are not mapped; known: "
+                              f"{', '.join(sorted(PER_EXPERT | FUSED_GPT_OSS))}")
+    arch = ARCHITECTURES[model_type]
     tensors = _Tensors(folder)
     prefix = f"model.layers.{layer}."
-    if layout == "fused":
-        weights = _gpt_oss(tensors, prefix + "mlp.experts.", config)
+    experts = f"{prefix}{arch.block}.experts."
+    if model_type in FUSED_GPT_OSS:
+        weights = _gpt_oss(tensors, experts, config)
     else:
-        weights = _per_expert(tensors, prefix + layout.block + ".experts.", layout, config)
+        weights = _per_expert(tensors, experts, arch.linears, config)
     if config.model.routing in BIASED_ROUTING:
-        weights.correction_bias = tensors.get(prefix + "mlp.gate.e_score_correction_bias").float()
+        weights.correction_bias = tensors.get(f"{prefix}{arch.block}.gate.e_score_correction_bias").float()
     return _to(weights, torch.device(device))
 
 
@@ -103,23 +93,23 @@ def _scheme(config: MoEConfig, loadable: tuple[str, ...]) -> Scheme:
     return scheme
 
 
-def _per_expert(tensors: _Tensors, prefix: str, layout: _PerExpert, config: MoEConfig) -> MoEWeights:
+def _per_expert(tensors: _Tensors, prefix: str, linears: tuple[str, str, str], config: MoEConfig) -> MoEWeights:
     scheme = _scheme(config, ("unquantized", "fp8_w8a8/block128/group128"))
     dtype = TORCH_DTYPE[config.model.in_dtype]
-    names = [(f"{prefix}{e}.{layout.gate}", f"{prefix}{e}.{layout.up}", f"{prefix}{e}.{layout.down}")
-             for e in range(config.model.num_experts)]
+    names = [tuple(f"{prefix}{e}.{linear}" for linear in linears) for e in range(config.model.num_experts)]
+
+    def stacked(suffix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13-like [E, 2I, ...]: gate rows then up rows, w2-like [E, H, ...]) of one tensor per linear."""
+        return (torch.stack([torch.cat([tensors.get(g + suffix), tensors.get(u + suffix)]) for g, u, _ in names]),
+                torch.stack([tensors.get(d + suffix) for _, _, d in names]))
+
+    w13, w2 = stacked(".weight")
     if scheme.weight_dtype is None:
-        w13 = torch.stack([torch.cat([tensors.get(g + ".weight"), tensors.get(u + ".weight")]) for g, u, _ in names])
-        w2 = torch.stack([tensors.get(d + ".weight") for _, _, d in names])
         return MoEWeights(w13=w13.to(dtype), w2=w2.to(dtype), scheme=scheme, in_dtype=config.model.in_dtype)
     if config.model.moe_intermediate_size % 128:
         raise CheckpointError(f"block-FP8 experts with moe_intermediate_size {config.model.moe_intermediate_size} "
                               "(not a multiple of 128): gate and up rows would share 128-row scale blocks")
-    w13 = torch.stack([torch.cat([tensors.get(g + ".weight"), tensors.get(u + ".weight")]) for g, u, _ in names])
-    s13 = torch.stack([torch.cat([tensors.get(g + ".weight_scale_inv"), tensors.get(u + ".weight_scale_inv")])
-                       for g, u, _ in names])
-    w2 = torch.stack([tensors.get(d + ".weight") for _, _, d in names])
-    s2 = torch.stack([tensors.get(d + ".weight_scale_inv") for _, _, d in names])
+    s13, s2 = stacked(".weight_scale_inv")
     return MoEWeights(w13=w13.to(torch.float8_e4m3fn), w2=w2.to(torch.float8_e4m3fn), scheme=scheme,
                       in_dtype=config.model.in_dtype, w13_scale=s13.float(), w2_scale=s2.float())
 

@@ -239,3 +239,20 @@ def test_the_cli_refuses_a_dense_layer_and_a_second_source(capsys, tmp_path):
     assert "give one of a config file, --model or --hf-config" in capsys.readouterr().err
     assert main(["decide", "--hf-config", str(tmp_path)]) == 2
     assert "config.json: cannot read it" in capsys.readouterr().err
+
+
+FP8_CHANNEL = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+               "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}
+
+
+@pytest.mark.parametrize("config_file, exclusions, family", [
+    ("qwen3-30b-a3b-fp8.json", {"ignore": ["lm_head", "re:.*mlp.gate$"]}, "fp8_w8a8"),
+    ("qwen3-30b-a3b-fp8.json", {"ignore": ["lm_head", "re:.*mlp[.]experts.*"]}, "unquantized"),
+    ("qwen3-30b-a3b-fp8.json", {"ignore": ["model.layers.*.mlp"]}, "unquantized"),
+    ("mixtral-8x7b.json", {"modules_to_not_convert": ["block_sparse_moe"]}, "unquantized"),
+    ("mixtral-8x7b.json", {"modules_to_not_convert": ["block_sparse_moe.gate"]}, "fp8_w8a8"),
+])
+def test_experts_a_checkpoint_leaves_unquantised_are_unquantised(config_file, exclusions, family):
+    data = {**json.loads((CONFIGS / config_file).read_text()), "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": FP8_CHANNEL}, **exclusions}}
+    assert MoEConfig.from_hf(data).quant.family.value == family

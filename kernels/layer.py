@@ -48,6 +48,8 @@ class MoELayer:
         # Global experts, which router logits and topk ids refer to; under EP `weights` hold only this rank's.
         self.num_experts = num_experts if num_experts is not None else weights.num_experts
         self.shared_experts = shared_experts  # added to the routed output, on every token
+        # Why no RoutingConfig could be made (e.g. the correction bias is missing): route()'s error says it.
+        self.routing_refusal: Optional[str] = None
         experts.bind(prepare_finalize)
 
     @property
@@ -84,7 +86,8 @@ class MoELayer:
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         if r is None:
-            raise ValueError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
+            reason = self.routing_refusal or "this layer was built without a RoutingConfig"
+            raise ValueError(f"{reason}; or pass topk_ids= and topk_weights=")
         if r.plain_softmax:
             return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
         return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group or 1,

@@ -86,19 +86,26 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                                      "pip install 'moerules[kernels]'") from None
     config = decision.config
     placement = _parallel_checks(decision, weights, group, placement)
+    refusal = None
+    if routing is None:
+        try:
+            routing = routing_for(decision, correction_bias=weights.correction_bias)
+        except KernelUnavailableError as error:   # the caller may still route: forward(topk_ids=, topk_weights=)
+            refusal = str(error)
     try:
-        return build_layer(kernel_id=decision.kernel, prepare_finalize_id=decision.prepare_finalize_kernel,
+        layer = build_layer(kernel_id=decision.kernel, prepare_finalize_id=decision.prepare_finalize_kernel,
                            quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
                            activation_format=decision.activation_format.value,
                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
                            weight_block=decision.quant.weight_block, weights=weights, device=device if device is not None else weights.device,
-                           routing=routing if routing is not None else routing_for(
-                               decision, correction_bias=weights.correction_bias),
+                           routing=routing,
                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
                            timeout_s=timeout_s, shared_experts=shared_experts, swiglu=config.model.swiglu)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None
+    layer.routing_refusal = refusal
+    return layer
 
 
 def _shared_experts_check(model, shared_experts) -> None:

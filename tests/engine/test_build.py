@@ -10,7 +10,8 @@ from moerules.activation import SwigluParams
 from moerules.errors import KernelUnavailableError
 from moerules.kernels import make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
-from moerules.kernels.routing import grouped_topk
+from moerules.builder import routing_for
+from moerules.kernels.routing import fused_topk, grouped_topk
 from moerules.run import run_example
 
 from decision_helpers import config, cuda, rocm
@@ -133,10 +134,17 @@ def test_grouped_softmax_routing_ranks_groups_by_their_best_expert():
 
 
 def test_biased_routing_without_the_bias_is_refused_by_name():
+    """The layer still runs given top-k (the caller routes); router logits alone it refuses, naming the bias."""
     decision = decide(config(dict(GROUPED, routing="deepseek_v3"), platform=CPU))
-    with pytest.raises(KernelUnavailableError, match=r"model.routing='deepseek_v3' needs the router's correction "
-                                                     r"bias \(e_score_correction_bias\)"):
-        build(decision, weights_for(decision))
+    layer = build(decision, weights_for(decision))
+    x = torch.randn(5, 64)
+    with pytest.raises(ValueError, match=r"^model.routing='deepseek_v3' needs the router's correction bias "
+                                         r"\(e_score_correction_bias\).*; or pass topk_ids= and topk_weights=$"):
+        layer(x, router_logits=torch.randn(5, 8))
+    ids, w = fused_topk(torch.randn(5, 8), top_k=3, renormalize=True)
+    assert layer(x, topk_ids=ids, topk_weights=w).shape == (5, 64)
+    with pytest.raises(KernelUnavailableError, match="needs the router's correction bias"):
+        routing_for(decision)
 
 
 def test_the_configs_swiglu_parameters_reach_the_built_experts():

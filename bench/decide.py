@@ -36,7 +36,8 @@ QUANTS = [{"family": "unquantized"}, {"family": "fp8_w8a8", "weight_granularity"
 
 def configs(n: int, offset: int) -> list[MoEConfig]:
     """Distinct configs (the intermediate size varies), so none is served from a cache."""
-    return [MoEConfig(model=dict(num_experts=64, top_k=4, hidden_size=4096, intermediate_size=256 * (i + offset + 1),
+    return [MoEConfig(model=dict(num_experts=64, top_k=4, hidden_size=4096,
+                                 moe_intermediate_size=256 * (i + offset + 1),
                                  activation="swigluoai" if i % 3 == 0 else "silu"),
                       quant=QUANTS[i % len(QUANTS)], platform=PLATFORMS[(i // 4) % len(PLATFORMS)],
                       features={"lora": i % 5 == 0})

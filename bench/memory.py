@@ -46,7 +46,7 @@ def versions(count: int, engine: str, config: MoEConfig) -> None:
 
 
 def decisions(count: int, engine: str) -> None:
-    pool = [MoEConfig(model={"num_experts": 64, "top_k": 4, "hidden_size": hidden, "intermediate_size": 256 * size},
+    pool = [MoEConfig(model={"num_experts": 64, "top_k": 4, "hidden_size": hidden, "moe_intermediate_size": 256 * size},
                       quant={"family": family}, platform={"vendor": "cuda", "arch": "sm_90", "packages": ["triton"]})
             for hidden in (2048, 4096) for size in range(1, 2501) for family in ("unquantized", "fp8_w8a8")]
     # 10,000 distinct configs: more than the 4,096-entry decision cache holds, so every decision is cold
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--engine", default="durable", choices=["durable", "reference"])
     args = parser.parse_args()
     logging.disable(logging.WARNING)
-    config = MoEConfig(model={"num_experts": 8, "top_k": 2, "hidden_size": 4096, "intermediate_size": 14336})
+    config = MoEConfig(model={"num_experts": 8, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 14336})
     print(f"start: RSS {rss_mb():.1f} MB ({args.engine} engine)")
     versions(args.versions, args.engine, config)
     decisions(args.decisions, args.engine)

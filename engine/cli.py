@@ -123,16 +123,19 @@ def _flags_to_sections(args) -> dict:
 
 
 def build_config(args) -> MoEConfig:
-    if args.config and args.model:
-        raise InputError("give a config file or --model, not both")
+    if sum(1 for given in (args.config, args.model, args.hf_config) if given) > 1:
+        raise InputError("give one of a config file, --model or --hf-config")
     doc = None
     if args.config:
         doc, data = _read_config_file(args.config)
     elif args.model:
         data = _preset(args.model)
+    elif args.hf_config:
+        from moerules.hf_config import hf_sections
+        data = hf_sections(args.hf_config, layer=args.hf_layer)
     else:
-        raise InputError("give a config file (YAML/JSON) or --model PRESET "
-                         f"(presets: {', '.join(sorted(PRESETS))})")
+        raise InputError("give a config file (YAML/JSON), --model PRESET "
+                         f"(presets: {', '.join(sorted(PRESETS))}) or --hf-config config.json")
     data = _merge(data, _flags_to_sections(args))
     if args.detect:
         from moerules.engine.detect import detect, detect_switches
@@ -142,7 +145,8 @@ def build_config(args) -> MoEConfig:
         return MoEConfig.model_validate(data)
     except ValidationError as error:
         if doc is None:
-            raise InputError(_pydantic_message(error, f"--model {args.model}")) from None
+            source = f"--model {args.model}" if args.model else f"--hf-config {args.hf_config}"
+            raise InputError(_pydantic_message(error, source)) from None
         raise structure_error(doc, error.errors()[0], MoEConfig) from None  # the first; fixing it may fix the rest
 
 
@@ -410,6 +414,10 @@ DEBUG_HELP = "show the traceback of any error (for bug reports)"
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
     parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
+    parser.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its model folder): the "
+                                                            "MoE layers' model and quant sections")
+    parser.add_argument("--hf-layer", type=int, metavar="N", help="with --hf-config: decide for decoder layer N "
+                                                                  "(refused if it is a dense layer)")
     parser.add_argument("--quant", help="quant family, e.g. fp8_w8a8, mxfp4_w4a16 (default: the preset's)")
     parser.add_argument("--weight-granularity", help="tensor, channel or block128 (fp8/int8 families)")
     parser.add_argument("--activation-granularity", help="tensor, token or group128")

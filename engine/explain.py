@@ -14,10 +14,23 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 def _config_line(decision: Decision) -> str:
     c = decision.config
     m, p, q = c.model, c.parallel, c.quant
-    return (f"E={m.num_experts} top_k={m.top_k} hidden={m.hidden_size} intermediate={m.intermediate_size} "
+    return (f"E={m.num_experts} top_k={m.top_k} hidden={m.hidden_size} moe_intermediate={m.moe_intermediate_size} "
             f"({c.intermediate_per_partition}/partition) {m.activation.value} {m.in_dtype.value} "
-            f"quant={q.family.value} | tp={p.tp} dp={p.dp} ep={p.ep_size} all2all={p.use_all2all} | "
+            f"{_routing_text(m)} quant={_quant_text(q)} | tp={p.tp} dp={p.dp} ep={p.ep_size} all2all={p.use_all2all} | "
             f"{c.platform.vendor.value} {c.platform.arch} | lora={c.features.lora} requested={decision.requested}")
+
+
+def _quant_text(quant) -> str:
+    """The family and, where it quantises, its weight and activation keys (block128 is what says block-FP8)."""
+    keys = [f"{name} {key.granularity.value}" + ("" if name == "w" else " dynamic" if key.dynamic else " static")
+            for name, key in (("w", quant.weight_key), ("a", quant.activation_key)) if key is not None]
+    return quant.family.value + (f" ({', '.join(keys)})" if keys else "")
+
+
+def _routing_text(model) -> str:
+    groups = (f" groups={model.routing_topk_groups}/{model.routing_groups}" if model.routing_groups > 1 else "")
+    shared = f" shared={model.shared_experts}x{model.shared_intermediate_size}" if model.shared_experts else ""
+    return f"routing={model.routing.value}{groups}{shared}"
 
 
 def explain_text(decision: Decision) -> str:

@@ -13,14 +13,14 @@ from typing import Iterable
 
 from pydantic import BaseModel
 
-from moerules.config import MoEConfig, Package
+from moerules.config import ModelShape, MoEConfig, Package
 from moerules.decision import ActivationFormat
 from moerules.quant import Checkpoint, Granularity, QuantDtype, QuantFamily, ScaleDtype
 from moerules.engine.expr import FieldSpec
 
 # The pin is the engine's business: a rule that read it could quietly override the policy
 # "a pinned backend is honoured or the decision fails".
-_HIDDEN = {"features.backend"}
+_HIDDEN = {"features.backend"} | {f"model.{name}" for name in ModelShape.MATH_ONLY_FIELDS}
 
 
 def _spec(path: str, annotation) -> FieldSpec:

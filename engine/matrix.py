@@ -34,8 +34,8 @@ QUANTS = [{"family": f.value} for f in QuantFamily] + [
     {"family": "fp8_w8a16", "weight_granularity": "block128"},
 ]
 ACTIVATIONS = ["silu", "swigluoai"]
-ALIGNMENTS = {"aligned": dict(hidden_size=4096, intermediate_size=4096),
-              "unaligned": dict(hidden_size=2880, intermediate_size=2880)}
+ALIGNMENTS = {"aligned": dict(hidden_size=4096, moe_intermediate_size=4096),
+              "unaligned": dict(hidden_size=2880, moe_intermediate_size=2880)}
 PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 2, "expert_parallel": True},
              "a2a_torch": {"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},
              "a2a_deepep_ll": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
@@ -71,8 +71,8 @@ VARIATIONS: dict[str, dict] = {
     "lora+eplb": {"features": {"lora": True}, "parallel": {"eplb": True}},
     "no_grouped_mm": {"platform": {"torch_grouped_mm": False}},
     "hidden=2880": {"model": {"hidden_size": 2880}},
-    "intermediate=2880": {"model": {"intermediate_size": 2880}},
-    "hidden=2000+intermediate=2848": {"model": {"hidden_size": 2000, "intermediate_size": 2848}},
+    "intermediate=2880": {"model": {"moe_intermediate_size": 2880}},
+    "hidden=2000+intermediate=2848": {"model": {"hidden_size": 2000, "moe_intermediate_size": 2848}},
     "experts=6+tp4_ep": {"model": {"num_experts": 6}, "parallel": {"tp": 4, "expert_parallel": True}},
     "act=relu2_no_mul+a2a=torch_all2all_batched": {
         "model": {"activation": "relu2_no_mul"},
@@ -94,7 +94,7 @@ VARIATIONS: dict[str, dict] = {
     # Each alignment boundary a rule tests, on hidden and on the per-partition intermediate separately:
     # a multiple of 128 but not 256, of 64 but not 128, of 32 but not 64.
     **{f"hidden={h}": {"model": {"hidden_size": h}} for h in (2176, 2112, 2080)},
-    **{f"intermediate={i}": {"model": {"intermediate_size": i}} for i in (2176, 2112, 2080)},
+    **{f"intermediate={i}": {"model": {"moe_intermediate_size": i}} for i in (2176, 2112, 2080)},
     # vLLM 0.33 runs AITER's FP8 experts (the only experts MoRI pairs with) only with VLLM_ROCM_USE_AITER=1.
     "a2a=mori+switch=rocm_use_aiter=on": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
@@ -143,7 +143,7 @@ def random_cells(count: int, seed: int = 0) -> Iterator[Cell]:
         tp = tp if inter % tp == 0 else 1
         packages = rng.sample(PACKAGES["all"], rng.randint(0, len(PACKAGES["all"])))
         config = MoEConfig(
-            model=dict(num_experts=rng.choice([8, 64, 256]), top_k=2, hidden_size=hidden, intermediate_size=inter,
+            model=dict(num_experts=rng.choice([8, 64, 256]), top_k=2, hidden_size=hidden, moe_intermediate_size=inter,
                        activation=rng.choice(ACTIVATIONS + ["relu2_no_mul", "gelu"]), has_bias=rng.random() < 0.2),
             quant=rng.choice(QUANTS), parallel={**rng.choice(list(PARALLELS.values())), "tp": tp}
             if rng.random() < 0.5 else rng.choice(list(PARALLELS.values())),

@@ -320,7 +320,7 @@ def _moe_config(config: MoEConfig, moe_backend: str):
     ep = config.parallel.ep_size
     return FusedMoEConfig(
         num_experts=model.num_experts, experts_per_token=model.top_k, hidden_dim=model.hidden_size,
-        intermediate_size=model.intermediate_size, num_local_experts=model.num_experts // ep,
+        intermediate_size=model.moe_intermediate_size, num_local_experts=model.num_experts // ep,
         num_logical_experts=model.num_experts, activation=MoEActivation[_ACTIVATIONS[model.activation.value]],
         device="cpu" if config.platform.vendor == Vendor.cpu else "cuda",
         routing_method=RoutingMethodType[_ROUTING[model.routing.value]],

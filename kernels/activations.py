@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moerules.activation import Activation
-
-# gpt-oss SwiGLU constants.
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+from moerules.activation import Activation, SwigluParams
 
 
 GATED_ACTIVATIONS = frozenset({Activation.silu, Activation.gelu, Activation.gelu_tanh, Activation.swigluoai,
@@ -34,8 +30,9 @@ def split_gate_up(h: torch.Tensor, activation: Activation) -> tuple[torch.Tensor
     return h.chunk(2, dim=-1)
 
 
-def apply_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """GEMM1 output -> GEMM2 input, in h's dtype: [T, 2I] -> [T, I] gated, [T, I] -> [T, I] non-gated."""
+def apply_activation(h: torch.Tensor, activation: Activation, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
+    """GEMM1 output -> GEMM2 input, in h's dtype: [T, 2I] -> [T, I] gated, [T, I] -> [T, I] non-gated.
+    `swiglu`: the clamp limit and sigmoid gain of swigluoai (the model's, from its config)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation.value!r} is not implemented by moerules.kernels")
     if activation == Activation.silu_no_mul:
@@ -51,6 +48,6 @@ def apply_activation(h: torch.Tensor, activation: Activation) -> torch.Tensor:
         return F.gelu(gate) * up
     if activation == Activation.gelu_tanh:
         return F.gelu(gate, approximate="tanh") * up
-    gate = gate.clamp(max=SWIGLUOAI_LIMIT)
-    up = up.clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
-    return gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1)
+    gate = gate.clamp(max=swiglu.limit)
+    up = up.clamp(-swiglu.limit, swiglu.limit)
+    return gate * torch.sigmoid(swiglu.alpha * gate) * (up + 1)

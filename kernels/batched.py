@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from moerules.activation import SwigluParams
 from moerules.quant import Granularity
 
 from .interfaces import BATCHED, BatchedExperts, PreparedInput
@@ -120,7 +121,8 @@ def _valid_rows(expert_num_tokens: torch.Tensor, max_tokens: int) -> torch.Tenso
 
 
 def batched_reference(hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_num_tokens: torch.Tensor,
-                      weights: MoEWeights, activation, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      weights: MoEWeights, activation, compute_dtype: torch.dtype = torch.float32,
+                      swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """[E, M, H] (quantised iff the scheme quantises) -> [E, M, H] in compute_dtype, padding rows zero.
 
     Every valid row goes through `moe_reference` as a top-1 slot of weight 1 (an exact multiply), so
@@ -134,7 +136,7 @@ def batched_reference(hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor]
         a_scale = a_scale.reshape(E * M, *a_scale.shape[2:])[flat]  # [E, M] -> [S]; [E, M, G] -> [S, G]
     ids = (flat // max(M, 1)).to(torch.int32)[:, None]
     y = moe_reference(rows, weights=weights, topk_ids=ids, topk_weights=torch.ones(ids.shape, device=ids.device),
-                      a_scale=a_scale, activation=activation, compute_dtype=compute_dtype)
+                      a_scale=a_scale, activation=activation, compute_dtype=compute_dtype, swiglu=swiglu)
     out = torch.zeros(E * M, weights.hidden, dtype=compute_dtype, device=hidden_q.device)
     out[flat] = y
     return out.view(E, M, weights.hidden)
@@ -150,5 +152,5 @@ class BatchedReferenceExperts(BatchedExperts):
               expert_num_tokens: torch.Tensor) -> torch.Tensor:
         x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights, expert_num_tokens=expert_num_tokens)
         out = batched_reference(x, a_scale=a_scale, expert_num_tokens=expert_num_tokens, weights=weights,
-                                activation=self.activation, compute_dtype=torch.float32)
+                                activation=self.activation, compute_dtype=torch.float32, swiglu=self.swiglu)
         return out.to(TORCH_DTYPE[weights.in_dtype])

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.quant import QuantConfig
 
 from .activations import is_interleaved
@@ -25,7 +25,8 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
                 in_dtype: Dtype, activation_format: str, hidden_pad: int = 0, intermediate_pad: int = 0,
                 weight_block: Optional[int] = None, weights: MoEWeights, device: Union[str, torch.device],
                 routing: Optional[RoutingConfig] = None, defer_input_quant: bool = False, group=None, placement=None,
-                timeout_s: Optional[float] = None, decision_key: Optional[str] = None) -> MoELayer:
+                timeout_s: Optional[float] = None, decision_key: Optional[str] = None,
+                shared_experts: Optional[Callable] = None, swiglu: SwigluParams = SwigluParams()) -> MoELayer:
     """Build prepare/finalize + experts over `weights`, or raise KernelBuildError naming the kernel and the reason.
 
     kernel_id: a registry id ("triton.fused_moe", "torch.grouped_mm", "torch.reference"; batched format:
@@ -45,6 +46,9 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         that name the scheme themselves): the scheme's own block. `moerules.build` always passes the decision's.
     routing: how router_logits are turned into top-k; without it forward needs topk_ids/topk_weights.
     defer_input_quant: the dispatcher ships unquantised activations and the experts quantise them.
+    swiglu: swigluoai's clamp limit and sigmoid gain (the model's `swiglu_limit` / `swiglu_alpha`).
+    shared_experts: the model's shared experts, a callable [T, H] -> [T, H] run on every token; its output
+        is added to the routed experts' (DeepSeek, Qwen2-MoE, Llama-4, GLM-4-MoE).
     group / placement: expert parallelism (kernels/ep): the torch.distributed process group and the
         `Placement` of the experts over its ranks; `weights` are then this rank's shard
         (`shard_weights`). Both or neither; dispatchers that exchange tokens require them.
@@ -134,10 +138,11 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, str(exc)) from None
     pf = pf_class(scheme=scheme, hidden_pad=hidden_pad, quantizes_inputs=not defer_input_quant, comm=comm,
                   placement=placement, num_local_experts=weights.num_experts)
-    experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id)
+    experts = experts_class(kernel_id)(scheme=scheme, activation=activation, kernel_id=kernel_id, swiglu=swiglu)
     experts.load_weights(weights)
     return MoELayer(prepare_finalize=pf, experts=experts, weights=weights, hidden_size=logical_hidden,
-                    routing=routing, num_experts=placement.num_experts if placement else weights.num_experts)
+                    routing=routing, num_experts=placement.num_experts if placement else weights.num_experts,
+                    shared_experts=shared_experts)
 
 
 def _check_weight_block(kernel_id: str, scheme: Scheme, weight_block: int) -> None:

@@ -38,7 +38,7 @@ def run_forward(layer: MoELayer, *, num_tokens: int, seed: int, device: Union[st
     prepared = pf.prepare(x, topk_ids=topk_ids, topk_weights=topk_weights, defer_input_quant=False,
                           a13_scale=w.a13_scale)
     ref = moe_reference(prepared.hidden_q, weights=w, topk_ids=topk_ids, topk_weights=topk_weights,
-                        a_scale=prepared.a_scale, activation=layer.experts.activation)
+                        a_scale=prepared.a_scale, activation=layer.experts.activation, swiglu=layer.experts.swiglu)
     ref = pf.finalize(ref, prepared=prepared, hidden_size=layer.hidden_size)
     denom = ref.norm().item()
     rel_err = (out.float() - ref).norm().item() / denom if denom else float((out.float() - ref).norm().item())

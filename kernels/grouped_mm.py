@@ -56,7 +56,8 @@ class GroupedMMExperts(Experts):
             h = h + weights.w13_bias[expert_of_row]
         if remote:
             h = torch.where(valid, h, 0)
-        inter, s2 = self.quantize_gemm_input(apply_activation(h, self.activation), static_scale=weights.a2_scale)
+        inter, s2 = self.quantize_gemm_input(apply_activation(h, self.activation, self.swiglu),
+                                             static_scale=weights.a2_scale)
         y = self._gemm(inter, s2, weights.w2, weights.w2_scale, offs, out_dtype)
         if weights.has_bias:
             y = y + weights.w2_bias[expert_of_row]

@@ -22,7 +22,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from moerules.activation import Activation
+from moerules.activation import Activation, SwigluParams
 
 from .quantize import quantize_activation, quantize_activation_batched
 from .scheme import Scheme
@@ -114,9 +114,11 @@ class Experts(ABC):
     supports_bias: ClassVar[bool]
     supports_lora: ClassVar[bool] = False
 
-    def __init__(self, *, scheme: Scheme, activation: Activation, kernel_id: str):
+    def __init__(self, *, scheme: Scheme, activation: Activation, kernel_id: str,
+                 swiglu: SwigluParams = SwigluParams()):
         self.scheme = scheme
         self.activation = activation
+        self.swiglu = swiglu  # swigluoai's clamp limit and sigmoid gain (read only by that activation)
         self.kernel_id = kernel_id
         self.prepare_finalize: Optional[PrepareFinalize] = None
 

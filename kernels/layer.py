@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -20,7 +20,9 @@ from .weights import MoEWeights, pad_lora
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """How router logits become top-k. `num_expert_group` set -> DeepSeek-V3 grouped sigmoid routing."""
+    """How router logits become top-k. Softmax without groups, bias or scaling is the fused softmax top-k;
+    anything else (sigmoid scores, `num_expert_group` groups, a correction bias, a scaling factor) runs
+    `grouped_topk` (one group is plain top-k)."""
 
     top_k: int
     renormalize: bool = True
@@ -28,11 +30,18 @@ class RoutingConfig:
     topk_group: Optional[int] = None
     routed_scaling_factor: float = 1.0
     e_score_correction_bias: Optional[torch.Tensor] = None
+    scoring: str = "softmax"
+
+    @property
+    def plain_softmax(self) -> bool:
+        return (self.scoring == "softmax" and self.num_expert_group is None and self.e_score_correction_bias is None
+                and self.routed_scaling_factor == 1.0)
 
 
 class MoELayer:
     def __init__(self, *, prepare_finalize: PrepareFinalize, experts: Experts, weights: MoEWeights,
-                 hidden_size: int, routing: Optional[RoutingConfig] = None, num_experts: Optional[int] = None):
+                 hidden_size: int, routing: Optional[RoutingConfig] = None, num_experts: Optional[int] = None,
+                 shared_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.weights = weights
@@ -40,6 +49,9 @@ class MoELayer:
         self.routing = routing
         # Global experts, which router logits and topk ids refer to; under EP `weights` hold only this rank's.
         self.num_experts = num_experts if num_experts is not None else weights.num_experts
+        self.shared_experts = shared_experts  # added to the routed output, on every token
+        # Why no RoutingConfig could be made (e.g. the correction bias is missing): route()'s error says it.
+        self.routing_refusal: Optional[str] = None
         experts.bind(prepare_finalize)
 
     @property
@@ -76,12 +88,14 @@ class MoELayer:
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         if r is None:
-            raise KernelInputError("this layer was built without a RoutingConfig; pass topk_ids= and topk_weights=")
-        if r.num_expert_group is not None:
-            return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group,
-                                topk_group=r.topk_group, e_score_correction_bias=r.e_score_correction_bias,
-                                renormalize=r.renormalize, routed_scaling_factor=r.routed_scaling_factor)
-        return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
+            reason = self.routing_refusal or "this layer was built without a RoutingConfig"
+            raise KernelInputError(f"{reason}; or pass topk_ids= and topk_weights=")
+        if r.plain_softmax:
+            return fused_topk(router_logits, top_k=r.top_k, renormalize=r.renormalize)
+        return grouped_topk(router_logits, top_k=r.top_k, num_expert_group=r.num_expert_group or 1,
+                            topk_group=r.topk_group or 1, e_score_correction_bias=r.e_score_correction_bias,
+                            renormalize=r.renormalize, routed_scaling_factor=r.routed_scaling_factor,
+                            scoring=r.scoring)
 
     def forward(self, x: torch.Tensor, *, router_logits: Optional[torch.Tensor] = None,
                 topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -126,7 +140,8 @@ class MoELayer:
             batched["expert_num_tokens"] = prepared.expert_num_tokens
         out = self.experts.apply(prepared.hidden_q, weights=self.weights, topk_ids=prepared.topk_ids,
                                  topk_weights=prepared.topk_weights, a_scale=prepared.a_scale, **batched)
-        return self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
+        out = self.prepare_finalize.finalize(out, prepared=prepared, hidden_size=self.hidden_size)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     __call__ = forward
 

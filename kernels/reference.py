@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from moerules.activation import SwigluParams
+
 from .activations import apply_activation
 from .interfaces import STANDARD, Experts
 from .quantize import dequantize_activation, dequantize_weight, quantize_activation
@@ -35,7 +37,7 @@ def _lora_delta(a: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, e: 
 
 def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor], activation,
-                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  compute_dtype: torch.dtype = torch.float32, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """-> [T, H] in compute_dtype. hidden_q/a_scale as prepared (quantised iff the scheme quantises)."""
     scheme = weights.scheme
     in_dtype = TORCH_DTYPE[weights.in_dtype]
@@ -63,7 +65,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
             h = h + _lora_delta(xe, lora.w13_lora_a, lora.w13_lora_b, e, lora.scaling)
         if weights.has_bias:
             h = h + weights.w13_bias[e].to(compute_dtype)
-        inter[slots] = apply_activation(h, activation).to(in_dtype)
+        inter[slots] = apply_activation(h, activation, swiglu).to(in_dtype)
 
     if scheme.quantizes_activations:
         q, s = quantize_activation(inter, dtype=scheme.act_torch_dtype, granularity=scheme.act_granularity,
@@ -94,5 +96,5 @@ class TorchReferenceExperts(Experts):
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:
         x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights)
         out = moe_reference(x, weights=weights, topk_ids=topk_ids, topk_weights=topk_weights, a_scale=a_scale,
-                            activation=self.activation, compute_dtype=torch.float32)
+                            activation=self.activation, compute_dtype=torch.float32, swiglu=self.swiglu)
         return out.to(TORCH_DTYPE[weights.in_dtype])

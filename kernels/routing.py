@@ -23,15 +23,19 @@ def fused_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) ->
     return ids.to(torch.int32), weights
 
 
+SCORING = {"softmax": lambda logits: torch.softmax(logits, dim=-1), "sigmoid": torch.sigmoid}
+
+
 def grouped_topk(router_logits: torch.Tensor, *, top_k: int, num_expert_group: int, topk_group: int,
                  e_score_correction_bias: Optional[torch.Tensor] = None, renormalize: bool = True,
-                 routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing: sigmoid scores, group-limited top-k.
+                 routed_scaling_factor: float = 1.0, scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k: DeepSeek-V3 (sigmoid, correction bias), DeepSeek-V2 (softmax), GLM-4-MoE.
 
-    The correction bias only steers selection: groups are ranked by the sum of their two
-    best biased scores, the best `topk_group` groups stay eligible, the top-k biased scores
-    among them are selected, and the weights are the *unbiased* sigmoid scores of those
-    experts (renormalised if asked), times `routed_scaling_factor`.
+    The correction bias only steers selection. Groups are ranked by the sum of their two best
+    biased scores when there is a bias, else by their best score (as vLLM's grouped_topk and the
+    Hugging Face modules rank them); the best `topk_group` groups stay eligible, the top-k (biased)
+    scores among them are selected, and the weights are the *unbiased* scores of those experts
+    (renormalised if asked), times `routed_scaling_factor`. One group is plain top-k.
     """
     _check_logits(router_logits, top_k)
     M, E = router_logits.shape
@@ -39,10 +43,13 @@ def grouped_topk(router_logits: torch.Tensor, *, top_k: int, num_expert_group: i
         raise KernelInputError(f"{E} experts do not split into {num_expert_group} groups")
     if not 1 <= topk_group <= num_expert_group:
         raise KernelInputError(f"topk_group={topk_group} must be in [1, num_expert_group={num_expert_group}]")
-    scores = torch.sigmoid(router_logits.float())
+    if scoring not in SCORING:
+        raise KernelInputError(f"scoring {scoring!r} is not one of {', '.join(SCORING)}")
+    scores = SCORING[scoring](router_logits.float())
     biased = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()[None, :]
     per_group = biased.view(M, num_expert_group, E // num_expert_group)
-    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = 1 if e_score_correction_bias is None else min(2, per_group.shape[-1])
+    group_scores = per_group.topk(best, dim=-1).values.sum(dim=-1)
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
     masked = biased.masked_fill(~keep.repeat_interleave(E // num_expert_group, dim=1), float("-inf"))

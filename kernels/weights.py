@@ -9,6 +9,8 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
   lora: optional per-expert LoRA adapters (`lora.py`), padded together with the weights.
+  correction_bias: the router's e_score_correction_bias [E_global] fp32 (DeepSeek-V3, GLM-4-MoE), which
+      steers expert selection only; it belongs to routing, so sharding and padding leave it whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class MoEWeights:
     # Checksum of the global weights a shard was cut from (`shard_weights` sets it): the ranks of an
     # expert-parallel group compare it at build, so shards of different weights never run together.
     origin: Optional[str] = None
+    correction_bias: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         E, rows, _ = self.w13.shape
@@ -139,11 +142,12 @@ def _byte_digest(data: torch.Tensor) -> str:
 
 
 def make_random_weights(*, num_experts: int, hidden: int, intermediate: int, quant: QuantConfig,
-                        in_dtype: Dtype, has_bias: bool, seed: int, device, gated: bool = True) -> MoEWeights:
+                        in_dtype: Dtype, has_bias: bool, seed: int, device, gated: bool = True,
+                        correction_bias: bool = False) -> MoEWeights:
     """Seeded random weights (never zeros), quantised to `quant`; w13 has 2I rows, or I when not `gated`.
 
-    Values are N(0, 1/K) so each GEMM output is O(1); biases are N(0, 0.1^2). The same seed
-    gives the same weights on the same device type.
+    Values are N(0, 1/K) so each GEMM output is O(1); biases and the router's correction bias (when
+    asked) are N(0, 0.1^2). The same seed gives the same weights on the same device type.
     """
     dtype = TORCH_DTYPE[in_dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -158,7 +162,8 @@ def make_random_weights(*, num_experts: int, hidden: int, intermediate: int, qua
     w2 = torch.cat([randn(min(_QUANT_CHUNK, E - e), H, I, std=I ** -0.5) for e in range(0, E, _QUANT_CHUNK)])
     weights = MoEWeights(w13=w13, w2=w2, scheme=Scheme(family=QuantFamily.unquantized), in_dtype=in_dtype,
                          w13_bias=randn(E, rows13, std=0.1) if has_bias else None,
-                         w2_bias=randn(E, H, std=0.1) if has_bias else None, gated=gated)
+                         w2_bias=randn(E, H, std=0.1) if has_bias else None, gated=gated,
+                         correction_bias=randn(E, std=0.1).float() if correction_bias else None)
     return quantize_weights(weights, quant=quant)
 
 
@@ -178,7 +183,7 @@ def quantize_weights(weights: MoEWeights, *, quant: QuantConfig) -> MoEWeights:
                       w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, w13_scale=s13, w2_scale=s2,
                       a13_scale=torch.tensor([RANDOM_STATIC_A13_SCALE], device=dev) if static else None,
                       a2_scale=torch.tensor([RANDOM_STATIC_A2_SCALE], device=dev) if static else None,
-                      gated=weights.gated, lora=weights.lora)
+                      gated=weights.gated, lora=weights.lora, correction_bias=weights.correction_bias)
 
 
 def _quantize_chunked(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -11,7 +12,7 @@ class Activation(str, Enum):
     silu = "silu"
     gelu = "gelu"
     gelu_tanh = "gelu_tanh"
-    swigluoai = "swigluoai"                    # gpt-oss: clamp, alpha=1.702, (up + 1); interleaved gate/up
+    swigluoai = "swigluoai"                    # gpt-oss: clamp, sigmoid gain alpha, (up + 1); interleaved gate/up
     swigluoai_uninterleave = "swigluoai_uninterleave"
     silu_no_mul = "silu_no_mul"
     gelu_no_mul = "gelu_no_mul"
@@ -20,6 +21,15 @@ class Activation(str, Enum):
     @property
     def gated(self) -> bool:
         return not self.value.endswith("_no_mul")
+
+
+@dataclass(frozen=True)
+class SwigluParams:
+    """gpt-oss's clamped SwiGLU (`swigluoai`): gate <= limit, -limit <= up <= limit, then
+    gate * sigmoid(alpha * gate) * (up + 1). The defaults are gpt-oss's (transformers GptOssConfig)."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
 
 
 class Dtype(str, Enum):

@@ -17,16 +17,42 @@ from moerules.decision import Decision, Outcome
 from moerules.errors import KernelUnavailableError
 
 
-def routing_for(decision: Decision):
-    """Router settings for softmax-style routing; others need topk_ids/topk_weights from the caller."""
+# Scores and renormalisation of each routing method (vLLM get_routing_method_type, fused_moe/config.py:135-169).
+# `renormalize` (top-k of the logits, then softmax) is softmax, top-k, renormalise: the same weights.
+_ROUTING_MATH = {Routing.softmax_renormalize: ("softmax", True), Routing.renormalize: ("softmax", True),
+                 Routing.softmax: ("softmax", False), Routing.sigmoid: ("sigmoid", False),
+                 Routing.sigmoid_renormalize: ("sigmoid", True), Routing.deepseek_v3: ("sigmoid", True),
+                 Routing.minimax2: ("sigmoid", True)}
+# The methods vLLM names only when the router has an e_score_correction_bias.
+BIASED_ROUTING = frozenset({Routing.deepseek_v3, Routing.minimax2})
+
+
+def routing_for(decision: Decision, *, correction_bias=None):
+    """The layer's router settings, from the decision's config (method, groups, scaling factor) and, for
+    the biased methods, the router's `correction_bias` tensor (MoEWeights.correction_bias)."""
     from moerules.kernels import RoutingConfig
     model = decision.config.model
-    if model.routing in (Routing.softmax_renormalize, Routing.softmax):
-        return RoutingConfig(top_k=model.top_k, renormalize=model.routing == Routing.softmax_renormalize)
-    return None
+    if model.routing not in _ROUTING_MATH:
+        raise KernelUnavailableError(f"model.routing={model.routing.value!r} applies the router weights to the "
+                                     "layer's input, which moerules kernels do not implement; route outside and "
+                                     "scale the input yourself, or pick another routing")
+    if model.routing in BIASED_ROUTING and correction_bias is None:
+        raise KernelUnavailableError(f"model.routing={model.routing.value!r} needs the router's correction bias "
+                                     "(e_score_correction_bias): set MoEWeights.correction_bias to the checkpoint's "
+                                     "tensor")
+    if model.routing not in BIASED_ROUTING and correction_bias is not None:
+        raise KernelUnavailableError(f"MoEWeights.correction_bias is set but model.routing={model.routing.value!r} "
+                                     f"takes none (only {', '.join(sorted(r.value for r in BIASED_ROUTING))} do)")
+    scoring, renormalize = _ROUTING_MATH[model.routing]
+    grouped = model.routing_groups > 1
+    return RoutingConfig(top_k=model.top_k, renormalize=renormalize, scoring=scoring,
+                         num_expert_group=model.routing_groups if grouped else None,
+                         topk_group=model.routing_topk_groups if grouped else None,
+                         routed_scaling_factor=model.routed_scaling_factor, e_score_correction_bias=correction_bias)
 
 
-def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None):
+def build(decision: Decision, weights, *, device=None, routing=None, group=None, placement=None, timeout_s=None,
+          shared_experts=None):
     """A runnable MoE layer (prepare -> experts -> finalize) for a selected decision.
 
     `weights` are `moerules.kernels.MoEWeights` in the decision's quant scheme (see
@@ -38,6 +64,8 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
     `timeout_s` bounds every collective (default $MOERULES_EP_TIMEOUT_S, else 300 s).
     LoRA adapters on the weights need a decision made with features.lora (without adapters such
     a decision still builds: they can arrive later through `MoELayer.set_lora`).
+    `shared_experts`: a callable [T, H] -> [T, H] computing the model's shared experts, added to the output;
+    required exactly when the config has model.shared_experts (they are never dropped silently).
     """
     if decision.outcome != Outcome.selected:
         raise KernelUnavailableError(f"cannot build an unsupported decision: {decision.error}")
@@ -46,6 +74,7 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
         raise KernelUnavailableError(
             f"the weights carry LoRA adapters but the decision was made without features.lora, so its backend "
             f"{decision.backend!r} was not chosen to apply them; decide again with features.lora=true")
+    _shared_experts_check(decision.config.model, shared_experts)
     try:
         from moerules.kernels import KernelBuildError, build_layer
     except ImportError as error:
@@ -53,20 +82,39 @@ def build(decision: Decision, weights, *, device=None, routing=None, group=None,
                                      "pip install 'moerules[kernels]'") from None
     config = decision.config
     placement = _parallel_checks(decision, weights, group, placement)
+    refusal = None
+    if routing is None:
+        try:
+            routing = routing_for(decision, correction_bias=weights.correction_bias)
+        except KernelUnavailableError as error:   # the caller may still route: forward(topk_ids=, topk_weights=)
+            refusal = str(error)
     try:
-        return build_layer(kernel_id=decision.kernel or decision.adapter,
-                           prepare_finalize_id=decision.prepare_finalize_kernel,
-                           quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
-                           activation_format=decision.activation_format.value,
-                           hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
-                           weight_block=decision.quant.weight_block, weights=weights,
-                           device=device if device is not None else weights.device,
-                           routing=routing if routing is not None else routing_for(decision),
-                           defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
-                           timeout_s=timeout_s, decision_key=_digest(decision) if group is not None else None)
+        layer = build_layer(kernel_id=decision.kernel or decision.adapter,
+                            prepare_finalize_id=decision.prepare_finalize_kernel,
+                            quant=config.quant, activation=config.model.activation, in_dtype=config.model.in_dtype,
+                            activation_format=decision.activation_format.value,
+                            hidden_pad=decision.padding.hidden_pad, intermediate_pad=decision.padding.intermediate_pad,
+                            weight_block=decision.quant.weight_block, weights=weights,
+                            device=device if device is not None else weights.device, routing=routing,
+                            defer_input_quant=decision.quant.defer_input_quant, group=group, placement=placement,
+                            timeout_s=timeout_s, decision_key=_digest(decision) if group is not None else None,
+                            shared_experts=shared_experts, swiglu=config.model.swiglu)
     except KernelBuildError as error:
         raise KernelUnavailableError(f"cannot build {decision.backend} behind {decision.prepare_finalize}: "
                                      f"{error}") from None
+    layer.routing_refusal = refusal
+    return layer
+
+
+def _shared_experts_check(model, shared_experts) -> None:
+    if model.shared_experts and shared_experts is None:
+        raise KernelUnavailableError(
+            f"model.shared_experts={model.shared_experts} (shared_intermediate_size={model.shared_intermediate_size}): "
+            "moerules layers compute the routed experts; pass shared_experts= (a callable [T, H] -> [T, H], e.g. the "
+            "model's shared MLP) so the layer adds them, or decide with shared_experts=0 if they run elsewhere")
+    if shared_experts is not None and not model.shared_experts:
+        raise KernelUnavailableError("shared_experts= was passed but the decision's config has model.shared_experts=0; "
+                                     "set model.shared_experts and shared_intermediate_size")
 
 
 def _digest(decision: Decision) -> str:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import re
 from enum import Enum
 from functools import lru_cache
+from typing import ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, computed_field, field_serializer, field_validator,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS, MAX_LAYER_DIM, MAX_RANKS
 from moerules.quant import QuantConfig
 
@@ -54,13 +57,24 @@ class Routing(str, Enum):
     llama4 = "llama4"
 
 
+# Old field names that now mean something else, with why and the new name: refused, never read as the new one.
+RENAMED_MODEL_FIELDS = {
+    "intermediate_size": "model.intermediate_size was renamed model.moe_intermediate_size: the per-expert size. "
+                         "Hugging Face's `intermediate_size` is the dense MLP's on most MoE models (Qwen3-30B-A3B: "
+                         "6144 dense, 768 per expert); take `moe_intermediate_size` from config.json, or use "
+                         "MoEConfig.from_hf",
+}
+
+
 class ModelShape(_Record):
 
     num_experts: int = Field(ge=1, le=4096, description="Global number of routed experts.")
     top_k: int = Field(ge=1, le=4096, description="Experts per token.")
     hidden_size: int = Field(ge=1, le=MAX_LAYER_DIM, description="Model hidden size (K of GEMM1, N of GEMM2).")
-    intermediate_size: int = Field(ge=1, le=MAX_LAYER_DIM,
-                                   description="Expert intermediate size before tensor-parallel sharding.")
+    moe_intermediate_size: int = Field(ge=1, le=MAX_LAYER_DIM,
+                                       description="Per-expert intermediate size before tensor-parallel sharding "
+                                                   "(Hugging Face `moe_intermediate_size`; Mixtral's "
+                                                   "`intermediate_size`).")
     activation: Activation = Activation.silu
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
     in_dtype: Dtype = Dtype.bf16
@@ -70,6 +84,36 @@ class ModelShape(_Record):
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
                               description="Hugging Face model_type (deepseek_v3, gpt_oss, qwen3_moe ...): vLLM "
                                           "turns some kernels off per model type.")
+    swiglu_limit: float = Field(SwigluParams.limit, gt=0, le=1e4, allow_inf_nan=False,
+                                description="swigluoai clamp: gate <= limit, -limit <= up <= limit (gpt-oss "
+                                            "swiglu_limit).")
+    swiglu_alpha: float = Field(SwigluParams.alpha, gt=0, le=1e4, allow_inf_nan=False,
+                                description="swigluoai sigmoid gain: gate * sigmoid(alpha * gate) (gpt-oss).")
+    routing_groups: int = Field(1, ge=1, le=4096, description="Expert groups of group-limited routing (Hugging Face "
+                                                              "n_group; 1: no groups).")
+    routing_topk_groups: int = Field(1, ge=1, le=4096, description="Groups a token may pick experts from "
+                                                                   "(Hugging Face topk_group).")
+    routed_scaling_factor: float = Field(1.0, gt=0, le=1e4, allow_inf_nan=False,
+                                         description="Factor on the routed experts' weights (DeepSeek, GLM-4-MoE).")
+    shared_experts: int = Field(0, ge=0, le=64, description="Shared experts every token runs besides the routed ones "
+                                                            "(a dense MLP of shared_intermediate_size).")
+    shared_intermediate_size: int = Field(0, ge=0, le=MAX_LAYER_DIM,
+                                          description="Intermediate size of the shared experts' MLP, all of them "
+                                                      "together.")
+
+    # Kernel math, not kernel choice: floats, which rules cannot compare, so they are not facts.
+    MATH_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset({"swiglu_limit", "swiglu_alpha", "routed_scaling_factor"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data):
+        """Refuse a field's old name, at that field, naming the new one (extra="forbid" would only say 'unknown')."""
+        if isinstance(data, dict):
+            errors = [InitErrorDetails(type=PydanticCustomError("renamed_field", message), loc=(old,), input=data[old])
+                      for old, message in RENAMED_MODEL_FIELDS.items() if old in data]
+            if errors:
+                raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +128,30 @@ class ModelShape(_Record):
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         return self
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> "ModelShape":
+        groups, picked = self.routing_groups, self.routing_topk_groups
+        if self.num_experts % groups:
+            raise ValueError(f"num_experts={self.num_experts} does not split into routing_groups={groups}")
+        if picked > groups:
+            raise ValueError(f"routing_topk_groups={picked} exceeds routing_groups={groups}")
+        if self.top_k > picked * (self.num_experts // groups):
+            raise ValueError(f"top_k={self.top_k} exceeds the {picked * (self.num_experts // groups)} experts of "
+                             f"routing_topk_groups={picked} groups of {self.num_experts // groups}")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_experts_sized(self) -> "ModelShape":
+        if (self.shared_experts > 0) != (self.shared_intermediate_size > 0):
+            raise ValueError(f"shared_experts={self.shared_experts} and shared_intermediate_size="
+                             f"{self.shared_intermediate_size} must both be set, or both 0")
+        return self
+
+    @property
+    def swiglu(self) -> SwigluParams:
+        """The swigluoai parameters as the kernels take them."""
+        return SwigluParams(limit=self.swiglu_limit, alpha=self.swiglu_alpha)
 
     @computed_field
     @property
@@ -328,18 +396,32 @@ class MoEConfig(_Record):
     features: Features = Features()
     switches: Switches = Switches()
 
+    @classmethod
+    def from_hf(cls, config_json_or_dict, *, platform=None, parallel=None, layer: Optional[int] = None,
+                features=None, switches=None) -> "MoEConfig":
+        """The config of a Hugging Face model's MoE layers (or of MoE layer `layer`) in a deployment.
+
+        `config_json_or_dict`: a config.json path, a model folder, or the dict; `platform`, `parallel`,
+        `features`, `switches`: the other sections (records or dicts; default as in MoEConfig). Raises
+        HFConfigError naming the config.json field that does not map (see moerules.hf_config).
+        """
+        from moerules.hf_config import hf_sections
+        sections = hf_sections(config_json_or_dict, layer=layer)
+        given = {"platform": platform, "parallel": parallel, "features": features, "switches": switches}
+        return cls.model_validate({**sections, **{name: value for name, value in given.items() if value is not None}})
+
     @model_validator(mode="after")
     def _intermediate_shards_evenly(self) -> "MoEConfig":
         tp = self.parallel.moe_tp
-        if self.model.intermediate_size % tp:
-            raise ValueError(f"model.intermediate_size={self.model.intermediate_size} is not divisible by the "
-                             f"MoE tensor-parallel size {tp} (parallel.tp * parallel.dp without expert_parallel)")
+        if self.model.moe_intermediate_size % tp:
+            raise ValueError(f"model.moe_intermediate_size={self.model.moe_intermediate_size} is not divisible by "
+                             f"the MoE tensor-parallel size {tp} (parallel.tp * parallel.dp without expert_parallel)")
         return self
 
     @computed_field
     @property
     def intermediate_per_partition(self) -> int:
-        return self.model.intermediate_size // self.parallel.moe_tp
+        return self.model.moe_intermediate_size // self.parallel.moe_tp
 
     @computed_field
     @property
@@ -357,7 +439,8 @@ class MoEConfig(_Record):
         """The config as the fully-populated fact the rule engines match against, flat: dotted
         names such as `platform.arch` (durable-rules flattens nested objects the same way)."""
         flat = {}
-        for section, data in self.model_dump(mode="json", exclude={"quant"}).items():
+        for section, data in self.model_dump(mode="json", exclude={"quant": True,
+                                                                   "model": ModelShape.MATH_ONLY_FIELDS}).items():
             if isinstance(data, dict):
                 flat.update((f"{section}.{name}", value) for name, value in data.items())
             else:

@@ -59,6 +59,18 @@ class KernelInputError(MoeRulesError, ValueError):
     """
 
 
+class HFConfigError(MoeRulesError, ValueError):
+    """A Hugging Face config.json field moerules cannot map; `field` is its dotted name in config.json."""
+
+    def __init__(self, field: str, message: str, *, source: str = "config.json"):
+        self.field, self.source = field, source
+        super().__init__(f"{source}: {field}: {message}")
+
+
+class CheckpointError(MoeRulesError):
+    """A checkpoint's tensors are missing, or laid out or quantised in a way moerules does not load."""
+
+
 class RuleSetError(MoeRulesError):
     """Several rule-file errors found in one load; all are reported, not just the first."""
 

@@ -108,7 +108,7 @@ def _run(args, decision, rank: int, world: int) -> int:
         config = decision.config
         global_weights = make_random_weights(
             num_experts=config.model.num_experts, hidden=config.model.hidden_size,
-            intermediate=config.model.intermediate_size, quant=config.quant, in_dtype=config.model.in_dtype,
+            intermediate=config.model.moe_intermediate_size, quant=config.quant, in_dtype=config.model.in_dtype,
             has_bias=config.model.has_bias, seed=args.seed, device=device)
         placement = placement_for(decision)
         shard = shard_weights(global_weights, placement, rank, activation=config.model.activation)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 PRESETS: dict[str, dict] = {
-    "mixtral-8x7b": {"model": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)},
-    "qwen3-30b-a3b": {"model": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)},
-    "deepseek-v3": {"model": dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048,
+    "mixtral-8x7b": {"model": dict(num_experts=8, top_k=2, hidden_size=4096, moe_intermediate_size=14336)},
+    "qwen3-30b-a3b": {"model": dict(num_experts=128, top_k=8, hidden_size=2048, moe_intermediate_size=768)},
+    "deepseek-v3": {"model": dict(num_experts=256, top_k=8, hidden_size=7168, moe_intermediate_size=2048,
                                   routing="deepseek_v3"),
                     "quant": dict(family="fp8_w8a8", weight_granularity="block128")},
-    "gpt-oss-120b": {"model": dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880,
+    "gpt-oss-120b": {"model": dict(num_experts=128, top_k=4, hidden_size=2880, moe_intermediate_size=2880,
                                    activation="swigluoai", has_bias=True),
                      "quant": dict(family="mxfp4_w4a16")},
-    "gpt-oss-20b": {"model": dict(num_experts=32, top_k=4, hidden_size=2880, intermediate_size=2880,
+    "gpt-oss-20b": {"model": dict(num_experts=32, top_k=4, hidden_size=2880, moe_intermediate_size=2880,
                                   activation="swigluoai", has_bias=True),
                     "quant": dict(family="mxfp4_w4a16")},
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moerules.builder import build, default_device
+from moerules.builder import BIASED_ROUTING, build, default_device
 from moerules.decision import Decision
 from moerules.errors import RequestError
 from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS
@@ -28,7 +28,8 @@ def run_example(decision: Decision, *, num_tokens: int = 16, seed: int = 0, devi
     weights = make_random_weights(num_experts=config.model.num_experts, hidden=config.model.hidden_size,
                                   intermediate=config.intermediate_per_partition, quant=config.quant,
                                   in_dtype=config.model.in_dtype, has_bias=config.model.has_bias, seed=seed,
-                                  device=device, gated=config.model.activation.gated)
+                                  device=device, gated=config.model.activation.gated,
+                                  correction_bias=config.model.routing in BIASED_ROUTING)
     if config.features.lora:
         weights.lora = make_random_lora(num_experts=config.model.num_experts, hidden=config.model.hidden_size,
                                         intermediate=config.intermediate_per_partition, rank=EXAMPLE_LORA_RANK,

@@ -73,7 +73,7 @@ def models(sizes: Optional[st.SearchStrategy[int]] = None):
     sizes = near_boundary(256, 32) if sizes is None else sizes
     return st.integers(1, 512).flatmap(lambda experts: st.fixed_dictionaries({
         "num_experts": st.just(experts), "top_k": st.integers(1, min(experts, 16)),
-        "hidden_size": sizes, "intermediate_size": sizes,
+        "hidden_size": sizes, "moe_intermediate_size": sizes,
         "activation": _mostly(["silu", "swigluoai"], [a.value for a in Activation]), "has_bias": st.booleans(),
         "in_dtype": _mostly(["bf16"], [d.value for d in Dtype]),
         "routing": st.sampled_from([r.value for r in Routing])}))
@@ -97,7 +97,7 @@ def configs(*, vendor: Optional[str] = None, family: Optional[str] = None, packa
     """Whole configs. Drawn TP sizes that do not divide the intermediate size are rounded to 1."""
     def assemble(parts) -> MoEConfig:
         model, quant, parallel, platform, feature = parts
-        if model["intermediate_size"] % (parallel["tp"] * parallel["dp"]):
+        if model["moe_intermediate_size"] % (parallel["tp"] * parallel["dp"]):
             parallel = {**parallel, "tp": 1, "dp": 1}
         return MoEConfig(model=model, quant=quant, parallel=parallel, platform=platform, features=feature)
     return st.tuples(models(), quants(family), parallels(), platforms(vendor, packages),

@@ -8,6 +8,8 @@ echo "moerules: installing vLLM 0.33.0's selection code for the conformance chec
      "extensions are never loaded) and the light packages its oracle imports"
 pip install --quiet --disable-pip-version-check --no-deps "vllm==0.33.0"
 pip install --quiet --disable-pip-version-check -e ".[vllm]" -c constraints.txt
+echo "moerules: installing transformers and safetensors for the Hugging Face round-trip tests (tests/hf)"
+pip install --quiet --disable-pip-version-check -e ".[hf]" -c constraints.txt
 set -x
 moerules schema --check
 moerules lint

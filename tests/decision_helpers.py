@@ -7,7 +7,7 @@ from moerules.config import MoEConfig
 
 def config(model=None, **sections) -> MoEConfig:
     """A config with a small default model; keyword sections override (quant=..., platform=...)."""
-    base = dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+    base = dict(num_experts=8, top_k=2, hidden_size=4096, moe_intermediate_size=14336)
     return MoEConfig(model={**base, **(model or {})}, **sections)
 
 

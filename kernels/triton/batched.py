@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moerules.activation import Activation
+from moerules.activation import Activation, SwigluParams
 
 from ..activations import is_interleaved
 from ..quantize import _scale_from_amax, cast_saturated, qmax
@@ -93,7 +93,8 @@ def batched_gemm1_kernel(
         stride_oe, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACTIVATION: tl.constexpr, AMAX: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        swiglu_limit, swiglu_alpha):
     """out[e, r, n] = act(x[e, r] . w[e, gate(n)] + b, x[e, r] . w[e, up(n)] + b) for r < count[e], n < N = I."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -110,7 +111,7 @@ def batched_gemm1_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = _gated_activation(gate, up, ACTIVATION).to(out_ptr.dtype.element_ty)
+    out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION).to(out_ptr.dtype.element_ty)
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
     if AMAX != 0:
@@ -204,7 +205,7 @@ def _quantize_rows(inter: torch.Tensor, scale: torch.Tensor, counts: torch.Tenso
 
 def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_num_tokens: torch.Tensor,
                 weights: MoEWeights, activation: Activation, out_dtype: torch.dtype, num_tokens: int, top_k: int,
-                config: Optional[MoEConfig] = None) -> torch.Tensor:
+                config: Optional[MoEConfig] = None, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """x_q [E, M, H] (quantised per weights.scheme, a_scale in the batched layouts) -> [E, M, H] in out_dtype.
 
     Row r of expert e is expert e's output for x_q[e, r] when r < expert_num_tokens[e], unweighted;
@@ -250,7 +251,8 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
         x_q.stride(0), x_q.stride(1), a_se, a_sm, weights.w13.stride(0), weights.w13.stride(1),
         *_scale_strides(weights.w13_scale), bias13.stride(0), inter.stride(0), inter.stride(1),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation],
-        AMAX=fold, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1))
+        AMAX=fold, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1), swiglu_limit=swiglu.limit,
+        swiglu_alpha=swiglu.alpha)
 
     inter_q, inter_scale = inter, None
     if requant:

@@ -21,4 +21,4 @@ class BatchedTritonExperts(BatchedExperts):
         x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights, expert_num_tokens=expert_num_tokens)
         return batched_moe(x, a_scale=a_scale, expert_num_tokens=expert_num_tokens, weights=weights,
                            activation=self.activation, out_dtype=TORCH_DTYPE[weights.in_dtype],
-                           num_tokens=topk_ids.shape[0], top_k=topk_ids.shape[1])
+                           num_tokens=topk_ids.shape[0], top_k=topk_ids.shape[1], swiglu=self.swiglu)

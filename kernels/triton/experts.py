@@ -23,4 +23,4 @@ class TritonExperts(Experts):
         return fused_moe(x, a_scale=a_scale, weights=weights, topk_ids=topk_ids, topk_weights=topk_weights,
                          activation=self.activation, out_dtype=TORCH_DTYPE[weights.in_dtype],
                          quantize_intermediate=lambda t: self.quantize_gemm_input(t, static_scale=weights.a2_scale),
-                         remote_slots=self.prepare_finalize.remote_expert_ids)
+                         remote_slots=self.prepare_finalize.remote_expert_ids, swiglu=self.swiglu)

@@ -45,8 +45,6 @@ import triton.language as tl
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
-SWIGLUOAI_ALPHA = tl.constexpr(1.702)  # globals used in @jit must be tl.constexpr objects
-SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 SCALE_BLOCK = tl.constexpr(128)
 MX_GROUP = tl.constexpr(32)
 
@@ -235,11 +233,13 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
+def _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION: tl.constexpr):
+    """act(gate) * up; swigluoai clamps by the model's limit and scales the sigmoid by its alpha (runtime
+    scalars: a model's values never recompile the kernel)."""
     if ACTIVATION == 3:
-        gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
-        up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
-        out = gate * tl.sigmoid(SWIGLUOAI_ALPHA * gate) * (up + 1.0)
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        out = gate * tl.sigmoid(swiglu_alpha * gate) * (up + 1.0)
     else:
         out = _activation(gate, ACTIVATION) * up
     return out
@@ -311,7 +311,7 @@ def gemm1_gated_kernel(
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
+        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -350,7 +350,7 @@ def gemm1_gated_kernel(
         up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
                              lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
                              HAS_LORA, LORA_R)
-        out = _gated_activation(gate, up, ACTIVATION)
+        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION)
     else:
         out = _activation(gate, ACTIVATION)
     tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),

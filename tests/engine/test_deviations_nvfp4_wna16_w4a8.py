@@ -12,7 +12,8 @@ CUDA_ALL = sorted(p.value for p in VLLM_INSTALL)
 
 
 def _config(quant, vendor, arch, packages, hidden=4096, intermediate=4096, **model):
-    return MoEConfig(model=dict(num_experts=16, top_k=2, hidden_size=hidden, intermediate_size=intermediate, **model),
+    return MoEConfig(model=dict(num_experts=16, top_k=2, hidden_size=hidden, moe_intermediate_size=intermediate,
+                                **model),
                      quant=quant, platform={"vendor": vendor, "arch": arch, "packages": packages})
 
 

@@ -16,7 +16,7 @@ from moerules.resources import default_rules_dir
 CUDA_VLLM = ["triton", "vllm", "marlin", "vllm_cutlass"]
 ROCM_VLLM = ["triton", "vllm"]
 CPU_VLLM = ["vllm", "vllm_cpu"]
-MODEL = dict(num_experts=64, top_k=4, hidden_size=4096, intermediate_size=1536)
+MODEL = dict(num_experts=64, top_k=4, hidden_size=4096, moe_intermediate_size=1536)
 DEEPEP_LL = dict(tp=1, dp=2, expert_parallel=True, all2all_backend="deepep_low_latency")
 FI_NVLINK = dict(tp=1, dp=2, expert_parallel=True, all2all_backend="flashinfer_nvlink")
 
@@ -70,7 +70,7 @@ CASES = [
                                              packages=CUDA_VLLM + ["deep_ep"]), None, "BatchedTritonExperts"),
     ("flashinfer_cutlass.bf16_drops_bias", cfg(arch="sm_120", model=dict(has_bias=True),
                                                packages=CUDA_VLLM + ["flashinfer"]), "triton", "FlashInferExperts"),
-    ("flashinfer_cutlass.bf16_intermediate_align_128", cfg(arch="sm_120", model=dict(intermediate_size=1504),
+    ("flashinfer_cutlass.bf16_intermediate_align_128", cfg(arch="sm_120", model=dict(moe_intermediate_size=1504),
                                                            packages=CUDA_VLLM + ["flashinfer"]),
      "triton", "FlashInferExperts"),
     ("bias.never_dropped", cfg(arch="sm_100", model=dict(has_bias=True), packages=CUDA_VLLM + ["flashinfer"]),

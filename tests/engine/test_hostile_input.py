@@ -105,7 +105,7 @@ def test_billion_laughs_is_refused_promptly_in_a_fresh_process(tmp_path):
     assert "expands to more than 100,000 nodes" in done.stdout, done.stderr
 
 
-MODEL = {"num_experts": 8, "top_k": 2, "hidden_size": 64, "intermediate_size": 64}
+MODEL = {"num_experts": 8, "top_k": 2, "hidden_size": 64, "moe_intermediate_size": 64}
 
 
 @pytest.mark.parametrize("arch", ["sm_\u00b2", "sm_" + "9" * 5000, "sm_\uff19\uff10", "sm_", "sm_12345",
@@ -120,7 +120,7 @@ def test_arch_within_limits_is_accepted():
     assert MoEConfig(model=MODEL, platform={"vendor": "cuda", "arch": "SM_1200"}).platform.cc == 1200
 
 
-@pytest.mark.parametrize("section, field", [("model", "hidden_size"), ("model", "intermediate_size"),
+@pytest.mark.parametrize("section, field", [("model", "hidden_size"), ("model", "moe_intermediate_size"),
                                             ("model", "top_k"), ("parallel", "tp"), ("parallel", "dp")])
 def test_config_numbers_stay_within_what_both_engines_carry(section, field):
     """A number past 64 bits would compare differently in durable (C) and the reference (Python)."""
@@ -137,8 +137,10 @@ def config_error(path) -> ConfigFileError:
 
 
 @pytest.mark.parametrize("text, line, col, fragment", [
-    ("model: {num_experts: 8, top_k: 2, hidden_size: 64, intermediate_size: 64, activaton: silu}\n", 1, 75,
+    ("model: {num_experts: 8, top_k: 2, hidden_size: 64, moe_intermediate_size: 64, activaton: silu}\n", 1, 79,
      "unknown field 'activaton'"),
+    ("model: {num_experts: 8, top_k: 2, hidden_size: 64, intermediate_size: 6144}\n", 1, 71,
+     "model.intermediate_size: model.intermediate_size was renamed model.moe_intermediate_size"),
     ("model: mixtral-8x7b\nplatform: {vendor: cuda, arch: 'sm_\uff19\uff10'}\n", 2, 33, "platform.arch"),
     ("model: mixtrall\n", 1, 8, "unknown model preset 'mixtrall'"),
     ("model: mixtral-8x7b\nx: &a [*a]\n", 2, 8, "recursive alias"),

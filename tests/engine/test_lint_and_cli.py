@@ -73,7 +73,7 @@ def test_cli_reads_config_files_and_reports_bad_ones(tmp_path, capsys):
     assert "triton experts (auto)" in out
     assert re.search(r"aiter +arch_unsupported +aiter.mxfp4_enabled +rules/33-mxfp4.yaml:\d+", out)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: {num_experts: 8, top_k: 2, hidden_size: 64, intermediate_size: 64, activation: sillu}\n")
+    bad.write_text("model: {num_experts: 8, top_k: 2, hidden_size: 64, moe_intermediate_size: 64, activation: sillu}\n")
     assert main(["decide", str(bad)]) == 2
     assert "model.activation: Input should be" in capsys.readouterr().err
     assert main(["decide", str(tmp_path / "missing.yaml")]) == 2

@@ -44,19 +44,28 @@ def test_unknown_backend_names_fail_before_evaluation_and_list_valid_ones():
 
 
 @pytest.mark.parametrize("sections,field", [
-    ({"model": {"num_experts": 8, "top_k": 9, "hidden_size": 64, "intermediate_size": 64}}, "model"),
-    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 0, "intermediate_size": 64}}, "model.hidden_size"),
-    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "intermediate_size": 64, "activaton": "silu"}},
+    ({"model": {"num_experts": 8, "top_k": 9, "hidden_size": 64, "moe_intermediate_size": 64}}, "model"),
+    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 0, "moe_intermediate_size": 64}}, "model.hidden_size"),
+    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "moe_intermediate_size": 64, "activaton": "silu"}},
      "model.activaton"),
-    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "intermediate_size": 64},
+    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "moe_intermediate_size": 64},
       "platform": {"vendor": "cuda", "arch": "gfx950"}}, "platform"),
-    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "intermediate_size": 64},
+    ({"model": {"num_experts": 8, "top_k": 2, "hidden_size": 64, "moe_intermediate_size": 64},
       "quant": {"family": "int8_w8a8", "weight_granularity": "block128"}}, "quant"),
 ])
 def test_bad_config_values_name_the_field(sections, field):
     with pytest.raises(ValidationError) as raised:
         MoEConfig.model_validate(sections)
     assert ".".join(str(p) for p in raised.value.errors()[0]["loc"]) == field
+
+
+def test_the_old_intermediate_size_name_is_refused_naming_the_new_one():
+    """Hugging Face's `intermediate_size` is the dense MLP's: read as the experts' it gives wrong shapes silently."""
+    with pytest.raises(ValidationError) as raised:
+        MoEConfig(model={"num_experts": 128, "top_k": 8, "hidden_size": 2048, "intermediate_size": 6144})
+    (error,) = raised.value.errors()
+    assert error["type"] == "renamed_field" and error["loc"] == ("model", "intermediate_size")
+    assert error["msg"].startswith("model.intermediate_size was renamed model.moe_intermediate_size")
 
 
 def test_unsupported_auto_lists_every_candidate_with_its_reason():
@@ -84,7 +93,7 @@ def test_engines_agree_and_decisions_are_deterministic():
 
 def test_decisions_are_the_same_from_many_threads():
     engine = Engine(load_rules(), "durable")
-    cfgs = [config(model={"intermediate_size": 1024 * (i + 1)}, platform=cuda("sm_90")) for i in range(40)]
+    cfgs = [config(model={"moe_intermediate_size": 1024 * (i + 1)}, platform=cuda("sm_90")) for i in range(40)]
     expected = [Engine(load_rules(), "reference").decide(c).model_dump(exclude={"engine"}) for c in cfgs]
     results: dict[int, list] = {}
 
@@ -103,7 +112,7 @@ def test_more_decisions_than_durable_keeps_live_sids():
     # durable caps live sids at 1,024 per ruleset; a leaked sid per decision would hit it.
     engine = Engine(load_rules(), "durable")
     for i in range(1100):
-        assert engine.decide(config(model={"intermediate_size": 64 * (i + 1)})).backend == "triton"
+        assert engine.decide(config(model={"moe_intermediate_size": 64 * (i + 1)})).backend == "triton"
 
 
 def test_decision_json_round_trips_and_describe_is_one_line():

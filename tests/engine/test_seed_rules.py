@@ -24,7 +24,7 @@ AITER_ON = {"rocm_use_aiter": "on"}   # vLLM 0.33 runs AITER's MXFP4 MoE only wi
 
 
 def test_ck_mxfp4_only_on_gfx950(rules_without):
-    aligned = dict(GPT_OSS_LIKE, hidden_size=4096, intermediate_size=4096)
+    aligned = dict(GPT_OSS_LIKE, hidden_size=4096, moe_intermediate_size=4096)
     on_gfx950 = decide(config(aligned, quant=MXFP4, platform=rocm("gfx950", "aiter"), switches=AITER_ON))
     on_gfx942 = config(aligned, quant=MXFP4, platform=rocm("gfx942", "aiter"), switches=AITER_ON)
     assert on_gfx950.backend == "aiter"
@@ -36,7 +36,7 @@ def test_ck_mxfp4_only_on_gfx950(rules_without):
 
 
 def test_aiter_mxfp4_needs_the_aiter_switch(rules_without):
-    cfg = config(dict(GPT_OSS_LIKE, hidden_size=4096, intermediate_size=4096), quant=MXFP4,
+    cfg = config(dict(GPT_OSS_LIKE, hidden_size=4096, moe_intermediate_size=4096), quant=MXFP4,
                  platform=rocm("gfx950", "aiter"))
     decision = decide(cfg)
     assert decision.backend == "triton"     # neither AITER kernel without VLLM_ROCM_USE_AITER=1
@@ -48,7 +48,7 @@ def test_aiter_mxfp4_needs_the_aiter_switch(rules_without):
 def test_ck_mxfp4_unaligned_shapes_are_padded_to_256(rules_without, hidden, intermediate, tp):
     # gpt-oss-20b hidden 2880; MiniMax-style TP=4 leaves 384 per partition: both crashed CK unpadded.
     # vLLM pads both to 256 on ROCm (oracle/mxfp4.py:880-910) instead of falling back.
-    cfg = config(dict(GPT_OSS_LIKE, hidden_size=hidden, intermediate_size=intermediate),
+    cfg = config(dict(GPT_OSS_LIKE, hidden_size=hidden, moe_intermediate_size=intermediate),
                  quant=MXFP4, platform=rocm("gfx950", "aiter"), parallel={"tp": tp}, switches=AITER_ON)
     decision = decide(cfg)
     assert decision.backend == "aiter"
@@ -60,7 +60,7 @@ def test_ck_mxfp4_unaligned_shapes_are_padded_to_256(rules_without, hidden, inte
 
 def test_padding_is_tp_aware(rules_without):
     # Marlin pads MXFP4 hidden to 256 and the *per-partition* intermediate to 128.
-    shape = dict(GPT_OSS_LIKE, hidden_size=2880, intermediate_size=2880)
+    shape = dict(GPT_OSS_LIKE, hidden_size=2880, moe_intermediate_size=2880)
     def pinned(tp, rules=None):
         cfg = config(shape, quant=MXFP4, platform=cuda("sm_90", "marlin"), parallel={"tp": tp},
                      features={"backend": "marlin"})

@@ -18,7 +18,7 @@ FULL = sorted(p.value for p in VLLM_INSTALL)
 
 
 def layer(platform: dict, quant: str = "unquantized", **sections) -> MoEConfig:
-    return MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "intermediate_size": 4096,
+    return MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096,
                             **sections.pop("model", {})},
                      quant={"family": quant, **sections.pop("quant", {})}, platform=platform, **sections)
 

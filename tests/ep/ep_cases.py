@@ -74,7 +74,7 @@ def case_from_decision(decision: Decision, *, tokens: tuple, seed: int) -> Case:
     return Case(pf=decision.prepare_finalize_kernel, placement=placement_for(decision).kind.value,
                 kernel=decision.kernel, cell=Scheme.from_quant(c.quant).cell, dtype=c.model.in_dtype.value,
                 defer=decision.quant.defer_input_quant, E=c.model.num_experts, H=c.model.hidden_size,
-                I=c.model.intermediate_size, k=c.model.top_k, activation=c.model.activation.value,
+                I=c.model.moe_intermediate_size, k=c.model.top_k, activation=c.model.activation.value,
                 bias=c.model.has_bias, tokens=tokens, replicated=c.parallel.dp == 1, seed=seed,
                 decision=decision.to_json())
 

@@ -201,7 +201,7 @@ def test_sharded_weights_never_run_without_the_group_that_completes_them():
 
 
 def _ep_decision(**parallel):
-    return decide(MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128,
+    return decide(MoEConfig(model=dict(num_experts=8, top_k=2, hidden_size=64, moe_intermediate_size=128,
                                        in_dtype="fp32"), parallel=parallel, platform=CPU))
 
 

@@ -222,7 +222,7 @@ def ep_decisions(world: int):
         model, quant, parallel, tokens, seed = parts
         experts = world * (1 + model["num_experts"] % 2)
         model = {**model, "num_experts": experts, "top_k": 1 + model["top_k"] % min(experts, 4),
-                 "intermediate_size": 128 * world}
+                 "moe_intermediate_size": 128 * world}
         return MoEConfig(model=model, quant=quant, parallel=parallel, platform=CPU), tuple(tokens), seed
     return st.tuples(models(sizes=st.sampled_from([64, 128])), st.sampled_from(FAMILIES).flatmap(quants),
                      st.sampled_from(parallels(world)), st.lists(st.integers(0, 5), min_size=world, max_size=world),

@@ -73,7 +73,7 @@ def test_adversarial_rule_file(folder, data):
 def config_dicts() -> st.SearchStrategy[dict]:
     value = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                          max_leaves=10)
-    fields = st.sampled_from(["num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "tp", "dp",
+    fields = st.sampled_from(["num_experts", "top_k", "hidden_size", "moe_intermediate_size", "activation", "tp", "dp",
                               "expert_parallel", "vendor", "arch", "packages", "family", "backend", "lora", "model"])
     section = st.dictionaries(fields, value, max_size=5)
     model = st.one_of(st.sampled_from(["mixtral-8x7b", "gpt-oss-120b", "mixtrall"]), section)

@@ -72,7 +72,7 @@ def configs(platform: dict, in_dtype: str) -> Iterator[MoEConfig]:
         for quant in QUANTS:
             yield _config({**mixtral, "activation": activation}, quant, platform, ["triton"], False, "auto")
     # Shapes the MX round-ups pad (hidden to 32, intermediate to 64 / 32): the pads must reach the kernels.
-    unaligned = {**mixtral, "hidden_size": 2000, "intermediate_size": 2848}
+    unaligned = {**mixtral, "hidden_size": 2000, "moe_intermediate_size": 2848}
     for quant in QUANTS:
         for lora in (False, True):
             yield _config(unaligned, quant, platform, ["triton"], lora, "auto")

@@ -42,7 +42,7 @@ def reference64(layer, x, ids, w) -> torch.Tensor:
     pf = layer.prepare_finalize
     p = pf.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False, a13_scale=layer.weights.a13_scale)
     out = moe_reference(p.hidden_q, weights=layer.weights, topk_ids=ids, topk_weights=w, a_scale=p.a_scale,
-                        activation=layer.experts.activation, compute_dtype=torch.float64)
+                        activation=layer.experts.activation, compute_dtype=torch.float64, swiglu=layer.experts.swiglu)
     return pf.finalize(out, prepared=p, hidden_size=layer.hidden_size)
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, TRITON_DTYPE, random_inputs, rel_err
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels import KernelBuildError, build_layer, make_random_weights
 from moerules.kernels.batched import LocalBatchedPrepareFinalize, batched_reference, from_batched, plan_batches
 from moerules.kernels.interfaces import BatchedExperts
@@ -58,7 +58,7 @@ def standard_reference64(layer, x, ids, w) -> torch.Tensor:
     pf = LocalPrepareFinalize(scheme=layer.weights.scheme, hidden_pad=layer.prepare_finalize.hidden_pad)
     p = pf.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False, a13_scale=layer.weights.a13_scale)
     out = moe_reference(p.hidden_q, weights=layer.weights, topk_ids=ids, topk_weights=w, a_scale=p.a_scale,
-                        activation=layer.experts.activation, compute_dtype=torch.float64)
+                        activation=layer.experts.activation, compute_dtype=torch.float64, swiglu=layer.experts.swiglu)
     return out[:, :layer.hidden_size]
 
 
@@ -353,3 +353,14 @@ def test_gpu_requantisation_pass_matches_torch(code):
         # Triton's fp32 division may differ by one rounding step of the quotient: at most one fp8 step apart.
         diff = (q[e, :n].float().cpu() - ref[e, :n].float()).abs()
         assert (diff <= ref[e, :n].float().abs() / 8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kernel_id", ["triton.batched_moe", "torch.batched_reference"])
+def test_a_models_swiglu_limit_and_alpha_reach_the_batched_kernels(kernel_id, poison):
+    layer = batched_layer(kernel_id, activation=Activation.swigluoai, bias=True,
+                          swiglu=SwigluParams(limit=0.5, alpha=1.2))
+    x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    assert rel_err(out, standard_reference64(layer, x, ids, w)) < 2e-2
+    layer.experts.swiglu = SwigluParams()
+    assert rel_err(out, standard_reference64(layer, x, ids, w)) > 0.2

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, random_inputs, reference64, rel_err
 
-from moerules.activation import Activation, Dtype
+from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels.activations import GATED_ACTIVATIONS
 from moerules.kernels.scheme import scheme_cells
 
@@ -110,3 +110,18 @@ def test_reference_matches_dense_math():
             y = W.w2[e].double() @ (torch.nn.functional.silu(g) * u).float().double() + W.w2_bias[e].double()
             expected[t] += w[t, j].double() * y
     assert rel_err(reference64(layer, x, ids, w), expected) < 1e-6
+
+
+# Clamps most pre-activations of these random layers (they are O(1)), so the parameters decide the output.
+MODEL_SWIGLU = SwigluParams(limit=0.5, alpha=1.2)
+
+
+@pytest.mark.parametrize("kernel_id", ["triton.fused_moe", "torch.grouped_mm", "torch.reference"])
+def test_a_models_swiglu_limit_and_alpha_reach_the_kernel(kernel_id, poison_empty):
+    layer = make_layer(kernel_id, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True, device=DEVICE,
+                       swiglu=MODEL_SWIGLU)
+    x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    assert rel_err(out, reference64(layer, x, ids, w)) < 2e-2
+    layer.experts.swiglu = SwigluParams()  # gpt-oss's 7.0 / 1.702: what the kernels hard-coded before
+    assert rel_err(out, reference64(layer, x, ids, w)) > 0.2

@@ -317,7 +317,7 @@ def test_fp4_shapes_that_cannot_be_packed():
 def test_gpt_oss_style_decision_pads_and_builds_triton():
     """triton.mxfp4_round_up: intermediate 80 is padded to 128 (the TP-aware per-partition round-up is
     decided in tests/engine; a tp>1 decision builds only over a process group, see tests/ep)."""
-    cfg = config({"num_experts": 8, "top_k": 2, "hidden_size": 96, "intermediate_size": 80,
+    cfg = config({"num_experts": 8, "top_k": 2, "hidden_size": 96, "moe_intermediate_size": 80,
                   "activation": "swigluoai", "has_bias": True, "in_dtype": TRITON_DTYPE.value},
                  quant={"family": "mxfp4_w4a16"}, platform=cuda("sm_90"))
     decision = decide(cfg)
@@ -333,7 +333,7 @@ def test_gpt_oss_style_decision_pads_and_builds_triton():
 
 
 def test_mxfp8_decision_carries_its_block_to_the_build():
-    cfg = config({"num_experts": 4, "top_k": 2, "hidden_size": 64, "intermediate_size": 64, "in_dtype": "bf16"},
+    cfg = config({"num_experts": 4, "top_k": 2, "hidden_size": 64, "moe_intermediate_size": 64, "in_dtype": "bf16"},
                  quant={"family": "mxfp8"}, platform={"vendor": "cpu", "arch": "x86_64", "packages": []})
     decision = decide(cfg)
     assert decision.kernel == "torch.reference" and decision.quant.weight_block == 32

@@ -268,7 +268,7 @@ def test_error_informativeness_every_suggestion_is_selectable(config):
 
 
 # Fields the assembly reads directly (sizes for padding, the input dtype for dispatch, the pin).
-_ASSEMBLY_READS = {"model.hidden_size", "model.intermediate_size", "model.in_dtype", "features.backend",
+_ASSEMBLY_READS = {"model.hidden_size", "model.moe_intermediate_size", "model.in_dtype", "features.backend",
                    "parallel.tp", "parallel.dp"}
 
 

@@ -59,7 +59,7 @@ def test_dropped_256_alignment(rules_without):
 def test_unconditional_expects_unquantized_inputs(rules_without):
     # vLLM 0.33 runs AITER's FP8 experts only with VLLM_ROCM_USE_AITER=1 (rocm_aiter_moe.py:513), which no
     # MoRI cell of the matrix sets: the regression is pinned on that config directly.
-    cfg = MoEConfig(model=dict(num_experts=16, top_k=2, hidden_size=4096, intermediate_size=4096),
+    cfg = MoEConfig(model=dict(num_experts=16, top_k=2, hidden_size=4096, moe_intermediate_size=4096),
                     quant={"family": "fp8_w8a8", "weight_granularity": "channel", "checkpoint": "compressed_tensors"},
                     parallel={"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
                     platform={"vendor": "rocm", "arch": "gfx942", "packages": ["triton", "aiter", "mori"]},
@@ -102,7 +102,7 @@ def test_lost_padding(rules_without):
 
 
 def _cpu_layer():
-    cfg = MoEConfig(model=dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=96, in_dtype="fp32",
+    cfg = MoEConfig(model=dict(num_experts=4, top_k=2, hidden_size=64, moe_intermediate_size=96, in_dtype="fp32",
                                has_bias=True),
                     platform=dict(vendor="cpu", arch="x86_64", packages=[]))
     decision = decide(cfg)

@@ -102,7 +102,7 @@ def test_oai_triton_is_refused_for_fp16_layers_that_vllm_would_select_and_then_f
 @pytest.mark.parametrize("hint,backend", [(0, "oai_triton"), (1, "triton"), (2, "triton"), (3, "oai_triton"),
                                           (4096, "oai_triton")])
 def test_decode_sized_gpt_oss_layers_on_hopper_rank_our_triton_just_ahead_of_oai_triton(hint, backend):
-    config = MoEConfig(model=dict(num_experts=32, top_k=4, hidden_size=2880, intermediate_size=2880,
+    config = MoEConfig(model=dict(num_experts=32, top_k=4, hidden_size=2880, moe_intermediate_size=2880,
                                   activation="swigluoai", has_bias=True),
                        quant={"family": "mxfp4_w4a16"}, features={"num_tokens_hint": hint},
                        platform={"vendor": "cuda", "arch": "sm_90", "packages": VLLM_CUDA})

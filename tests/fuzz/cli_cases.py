@@ -43,8 +43,8 @@ class Files:
             write("huge.yaml", b"#" * (5 * 1024 * 1024)),
             write("empty.yaml", b""),
             write("list.yaml", b"- 1\n- 2\n"),
-            write("nan.yaml", b"model: {num_experts: .nan, top_k: 2, hidden_size: 64, intermediate_size: 64}\n"),
-            write("negative.yaml", b"model: {num_experts: -8, top_k: 2, hidden_size: 64, intermediate_size: 64}\n"),
+            write("nan.yaml", b"model: {num_experts: .nan, top_k: 2, hidden_size: 64, moe_intermediate_size: 64}\n"),
+            write("negative.yaml", b"model: {num_experts: -8, top_k: 2, hidden_size: 64, moe_intermediate_size: 64}\n"),
             write("unknown.yaml", b"model: mixtrall\n"),
             write("json.json", b'{"model": {"num_experts": 8,'),
             write("bom.yaml", b"\xef\xbb\xbf\x00"),
@@ -52,7 +52,7 @@ class Files:
         ] + [write(f"adversarial{i}.yaml", self._adversarial(rng)) for i in range(40)]
         (root / "folder").mkdir(exist_ok=True)
         # A tiny valid layer: `run` cases that happen to be valid finish in a second.
-        self.tiny = write("tiny.yaml", b"model: {num_experts: 4, top_k: 2, hidden_size: 64, intermediate_size: 64, "
+        self.tiny = write("tiny.yaml", b"model: {num_experts: 4, top_k: 2, hidden_size: 64, moe_intermediate_size: 64, "
                                        b"in_dtype: fp32}\nplatform: {vendor: cpu, arch: x86_64, packages: []}\n")
         self.rules = [self.configs[0], self.configs[1], self.configs[2], self.configs[5], str(root / "folder"),
                       str(root / "missing"), str(root / LONG_NAME), "/dev/null"]

@@ -109,7 +109,7 @@ def test_an_adapter_without_an_external_package_is_a_load_error(tmp_path):
 def test_oai_triton_decisions_run_through_triton_kernels_and_match_the_reference(preset, poison_empty):
     decision = gpt_oss_decision(preset)
     m = decision.config.model
-    weights = make_random_weights(num_experts=m.num_experts, hidden=m.hidden_size, intermediate=m.intermediate_size,
+    weights = make_random_weights(num_experts=m.num_experts, hidden=m.hidden_size, intermediate=m.moe_intermediate_size,
                                   quant=decision.config.quant, in_dtype=Dtype.bf16, has_bias=True, seed=0,
                                   device="cuda")
     layer = build(decision, weights)

@@ -2,7 +2,7 @@
 
 The reference below is written per token in plain Python floats from the published semantics (Mixtral's
 softmax top-k; DeepSeek-V3's sigmoid scores, correction bias for selection only, groups ranked by the sum
-of their two best biased scores, experts of dropped groups never eligible, weights the unbiased scores,
+of their two best biased scores (by their best score when there is no bias), experts of dropped groups never eligible, weights the unbiased scores,
 renormalised, times the routed scaling factor), so a change to any of those choices in routing.py fails
 here. The negative correction biases matter: with dropped groups masked to 0.0 instead of -inf, a token
 whose kept experts all score below zero is sent to an expert of a dropped group.
@@ -91,8 +91,13 @@ def test_experts_of_dropped_groups_are_never_reached_even_when_every_score_is_ne
     assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
 
 
-def test_groups_rank_by_their_two_best_scores_not_their_best_one():
-    """Group 0 has the single best expert, group 1 the better pair: group 1 must be kept."""
+def test_groups_rank_by_their_two_best_biased_scores_and_by_their_best_without_a_bias():
+    """Group 0 has the single best expert, group 1 the better pair. vLLM 0.33 ranks groups by the sum
+    of their two best scores when a correction bias is given and by their best score otherwise
+    (router/grouped_topk_router.py:121-132): group 1 is kept with a (zero) bias, group 0 without."""
     logits = torch.tensor([[4.0, -4.0, -4.0, 2.0, 2.0, -4.0]])
-    ids, _ = grouped_topk(logits, top_k=2, num_expert_group=2, topk_group=1)
-    assert sorted(ids[0].tolist()) == [3, 4]
+    with_bias, _ = grouped_topk(logits, top_k=2, num_expert_group=2, topk_group=1,
+                                e_score_correction_bias=torch.zeros(6))
+    without, _ = grouped_topk(logits, top_k=2, num_expert_group=2, topk_group=1)
+    assert sorted(with_bias[0].tolist()) == [3, 4]
+    assert without[0, 0].item() == 0 and set(without[0].tolist()) <= {0, 1, 2}

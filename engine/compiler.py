@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
+from operator import itemgetter
 from typing import Iterable, Optional, Union
 
 from moerules.decision import SourceRef
@@ -106,6 +107,9 @@ class CompiledRules:
         for rule in rules:
             reads.setdefault(rule.tag, {}).setdefault(rule.shard, set()).update(_paths(rule.condition) - set(head(rule.tag, 0)))
         self.reads = {tag: [tuple(sorted(shards[s])) for s in range(len(shards))] for tag, shards in reads.items()}
+        # Per fact type, (shard, fields it reads, a getter of their values as a tuple) for each shard.
+        self.shards = {tag: [(shard, paths, _values_of(paths)) for shard, paths in enumerate(shards)]
+                       for tag, shards in self.reads.items()}
         # Each reject firing's place in a decision's rejections, which are listed by (component, rule).
         rejects = sorted((f for rule in rules for f in rule.rejects), key=lambda f: (f.target, f.rule_id))
         self.reject_rank = {firing.name: rank for rank, firing in enumerate(rejects)}
@@ -113,6 +117,14 @@ class CompiledRules:
     def durable_definition(self) -> str:
         """The ruleset JSON durable's create_ruleset takes (actions are read from the agenda, not run)."""
         return json.dumps({rule.name: {"all": [{"m": rule.condition}]} for rule in self.rules.values()})
+
+
+def _values_of(paths: tuple[str, ...]):
+    """A getter of the values of `paths` from a fact, as a tuple (itemgetter returns a bare value for one)."""
+    if len(paths) == 1:
+        path, = paths
+        return lambda values: (values[path],)
+    return itemgetter(*paths) if paths else (lambda values: ())
 
 
 def compile_rules(ruleset: RuleSet) -> CompiledRules:

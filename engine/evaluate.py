@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import groupby
+from operator import attrgetter, itemgetter
 from typing import Callable, Optional
 
 from moerules.config import MoEConfig
@@ -12,6 +13,9 @@ from moerules.errors import EngineError
 from moerules.engine.compiler import CFG, CompiledRule, CompiledRules, Firing
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
 from moerules.engine.ruleset import Rule
+
+
+_BACKEND = attrgetter("backend")
 
 
 @dataclass
@@ -27,10 +31,8 @@ class Evaluation:
 
     def rejections_of(self, component: str) -> list[Rejection]:
         """A component's rejections, from a table built on first use (a decision may ask for many)."""
-        if self._by_component is None:
-            self._by_component = {}
-            for rejection in self.rejections:
-                self._by_component.setdefault(rejection.backend, []).append(rejection)
+        if self._by_component is None:  # the rejections are listed by component, then rule
+            self._by_component = {backend: list(group) for backend, group in groupby(self.rejections, _BACKEND)}
         return self._by_component.get(component, [])
 
 
@@ -74,11 +76,11 @@ class PhaseRunner:
         compiled, memo = self.compiled, self.memo
         names: list[str] = []
         unseen: list[tuple[int, tuple, dict]] = []
-        for shard, reads in enumerate(compiled.reads.get(tag, ())):
-            key = (tag, shard, *[values.get(path, _ABSENT) for path in reads])
+        for shard, reads, read in compiled.shards.get(tag, ()):
+            key = (tag, shard, read(values))
             seen = memo.get(key)
             if seen is None:
-                unseen.append((shard, key, {path: values[path] for path in reads if path in values}))
+                unseen.append((shard, key, dict(zip(reads, key[2]))))
             else:
                 names += seen
         if unseen:
@@ -92,9 +94,6 @@ class PhaseRunner:
         for rule in fired:
             self.evaluation.fired += rule.trace
         return fired
-
-
-_ABSENT = object()  # a field a fact does not carry (the plan fields outside plan stages)
 
 
 class ShardMemo:

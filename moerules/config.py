@@ -439,17 +439,23 @@ class MoEConfig(_Record):
         """The config as the fully-populated fact the rule engines match against, flat: dotted
         names such as `platform.arch` (durable-rules flattens nested objects the same way)."""
         flat = {}
-        for section, data in self.model_dump(mode="json", exclude={"quant": True,
-                                                                   "model": ModelShape.MATH_ONLY_FIELDS}).items():
-            if isinstance(data, dict):
-                flat.update((f"{section}.{name}", value) for name, value in data.items())
-            else:
-                flat[section] = data
-        packages = self.platform.packages
-        flat.update((name, package in packages) for name, package in _PACKAGE_FACTS)
-        del flat["platform.packages"]
+        for name in type(self).model_fields:
+            if name != "quant":
+                flat.update(_section_facts(name, getattr(self, name)))
+        flat.update((name, getattr(self, name)) for name in type(self).model_computed_fields)
         flat.update(_quant_facts(self.quant))
         return flat
+
+
+@lru_cache(maxsize=4096)
+def _section_facts(name: str, section: BaseModel) -> dict:
+    """One section of a config as facts. Sections recur across configs (one platform and parallel
+    layout, many shapes), and serialising one costs more than finding it here."""
+    data = section.model_dump(mode="json", exclude=ModelShape.MATH_ONLY_FIELDS if name == "model" else None)
+    flat = {f"{name}.{field}": value for field, value in data.items() if field != "packages"}
+    if name == "platform":
+        flat.update((fact, package in section.packages) for fact, package in _PACKAGE_FACTS)
+    return flat
 
 
 _PACKAGE_FACTS = [(f"platform.packages.{package.value}", package) for package in Package]

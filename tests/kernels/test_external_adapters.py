@@ -80,8 +80,11 @@ def test_the_rules_name_the_adapter_of_oai_triton_and_none_for_our_kernels():
     assert (ours.kernel, ours.adapter) == ("triton.fused_moe", None)
 
 
-@pytest.mark.skipif(HAS_PACKAGE, reason="triton_kernels is installed here")
-def test_without_the_package_build_names_it_and_how_to_install_it():
+def test_without_the_package_build_names_it_and_how_to_install_it(monkeypatch):
+    # Absent here whatever is installed: vLLM registers its vendored copy as `triton_kernels` once imported.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "triton_kernels" else find_spec(name, *args))
     with pytest.raises(KernelUnavailableError, match=r"^experts backend 'oai_triton' runs through adapter "
                                                      r"'oai\.triton_kernels': package 'triton_kernels' is not "
                                                      r"installed; pip install sglang-kernel==0\.4\.5 .*; or pin one "

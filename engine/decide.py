@@ -221,7 +221,7 @@ class Assembler:
 def _config_key(config: MoEConfig) -> tuple:
     """Equal configs give equal keys: the section field values, two levels deep. Hashing and
     comparing these plain tuples costs a third of pydantic's nested __hash__ and __eq__."""
-    return tuple(tuple(section.__dict__.values()) for section in config.__dict__.values())
+    return tuple([tuple(section.__dict__.values()) for section in config.__dict__.values()])
 
 
 def _round_up(value: int, multiple: int) -> int:

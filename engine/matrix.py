@@ -99,6 +99,10 @@ VARIATIONS: dict[str, dict] = {
     "a2a=mori+switch=rocm_use_aiter=on": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
         "switches": {"rocm_use_aiter": "on"}},
+    # vLLM 0.33 runs AITER's unquantised experts only with VLLM_ROCM_USE_AITER=1, and pads their
+    # intermediate size: 2080 is padded to a multiple of 128.
+    "intermediate=2080+switch=rocm_use_aiter=on": {"model": {"moe_intermediate_size": 2080},
+                                                    "switches": {"rocm_use_aiter": "on"}},
     "a2a=deepep_low_latency+without=triton": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},

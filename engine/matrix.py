@@ -134,6 +134,9 @@ def cells(backends: Iterable[str]) -> Iterator[Cell]:
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "intermediate=2080")
     for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
+    # CPUs other than x86: vLLM's CPU experts differ by ISA (AMX, NEON, VSX), auto and pinned.
+    for quant, pin in itertools.product(QUANTS, ("auto", "vllm_cpu")):
+        yield _cell(("cpu", "aarch64"), quant, "single", False, "aligned", "silu", "all", pin)
 
 
 def random_cells(count: int, seed: int = 0) -> Iterator[Cell]:

@@ -287,7 +287,7 @@ def cmd_diff(args) -> int:
     from moerules.engine import matrix
     from moerules.engine.ruleset_source import resolve
     old, new = resolve(args.old), resolve(args.new)
-    cells = [] if args.no_matrix else list(matrix.cells(set(old.backends) | set(new.backends)))
+    cells = [] if args.no_matrix else list(matrix.cells({**old.backends, **new.backends}))
     cells += list(matrix.random_cells(args.random, args.seed))
     if not args.quiet:
         print(f"moerules: comparing {len(cells)} configs ({args.random} random)...", file=sys.stderr)

@@ -11,7 +11,7 @@ import io
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from moerules.activation import Activation
 from moerules.config import VLLM_INSTALL, All2AllBackend, MoEConfig, Package, Routing, Switch, Switches
@@ -23,7 +23,7 @@ from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
 from moerules.engine.progress import Progress
 from moerules.engine.textfile import csv_rows
-from moerules.engine.ruleset import RuleSet
+from moerules.engine.ruleset import Declared, RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
              ("cuda", "sm_100"), ("cuda", "sm_110"), ("cuda", "sm_120"), ("rocm", "gfx942"), ("rocm", "gfx950"),
@@ -103,13 +103,23 @@ VARIATIONS: dict[str, dict] = {
     # intermediate size: 2080 is padded to a multiple of 128.
     "intermediate=2080+switch=rocm_use_aiter=on": {"model": {"moe_intermediate_size": 2080},
                                                     "switches": {"rocm_use_aiter": "on"}},
+    # Llama-4 routes each token to one expert; zentorch's INT4 grouped GEMM needs two.
+    "top_k=1": {"model": {"top_k": 1}},
+    "switch=rocm_use_aiter=on+rocm_use_aiter_moe=off": {"switches": {"rocm_use_aiter": "on", "rocm_use_aiter_moe": "off"}},
+    # AITER pads a small unquantised intermediate (<= 192) to a multiple of 64, a larger one to 128.
+    "intermediate=160+switch=rocm_use_aiter=on": {"model": {"moe_intermediate_size": 160},
+                                                  "switches": {"rocm_use_aiter": "on"}},
+    "a2a=flashinfer_nvlink+eplb": {"parallel": {"dp": 2, "expert_parallel": True, "eplb": True,
+                                                "all2all_backend": "flashinfer_nvlink"}},
     "a2a=deepep_low_latency+without=triton": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},
 }
 
 
-def _cell(platform, quant, parallel, lora, align, activation, packages, pin, variation: str = "") -> Cell:
+def _cell(platform, quant, parallel, lora, align, activation, packages, pin, variation: str = "",
+          changes: Optional[dict] = None) -> Cell:
+    """One cell; `changes` (default: the named variation's) are applied on top of the plain layer."""
     vendor, arch = platform
     key = "|".join([f"{vendor}:{arch}", _quant_name(quant), parallel, "lora" if lora else "-", align, activation,
                     f"pkg={packages}", f"pin={pin}"] + ([variation] if variation else []))
@@ -117,12 +127,12 @@ def _cell(platform, quant, parallel, lora, align, activation, packages, pin, var
                 "quant": dict(quant), "parallel": dict(PARALLELS[parallel]),
                 "platform": {"vendor": vendor, "arch": arch, "packages": PACKAGES[packages]},
                 "features": {"lora": lora, "backend": pin}, "switches": {}}
-    for section, values in VARIATIONS.get(variation, {}).items():
+    for section, values in (VARIATIONS.get(variation, {}) if changes is None else changes).items():
         sections[section] = {**sections[section], **values}
     return Cell(key, MoEConfig(**sections))
 
 
-def cells(backends: Iterable[str]) -> Iterator[Cell]:
+def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
     """The auto-mode product, then every backend pinned on a plain single-GPU layer per platform/scheme."""
     for platform, quant, parallel, lora, align, activation, packages in itertools.product(
             PLATFORMS, QUANTS, PARALLELS, (False, True), ALIGNMENTS, ACTIVATIONS, PACKAGES):
@@ -134,6 +144,15 @@ def cells(backends: Iterable[str]) -> Iterator[Cell]:
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "intermediate=2080")
     for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
+    # Each pinned backend with every package but its own (AITER switched on, behind the dispatcher its format
+    # needs): there the generated package gate alone refuses it, so a mutant of that gate changes a decision.
+    for platform, quant, (pin, declared) in itertools.product(PLATFORMS, QUANTS, sorted(backends.items())):
+        own = {package.value for package in declared.item.packages}
+        if own:
+            parallel = "a2a_deepep_ll" if declared.item.format.value == "batched" else "single"
+            yield _cell(platform, quant, parallel, False, "aligned", "silu", "all", pin, "without_own_packages",
+                        {"platform": {"packages": sorted(set(PACKAGES["all"]) - own)},
+                         "switches": {"rocm_use_aiter": "on"}})
     # CPUs other than x86: vLLM's CPU experts differ by ISA (AMX, NEON, VSX), auto and pinned.
     for quant, pin in itertools.product(QUANTS, ("auto", "vllm_cpu")):
         yield _cell(("cpu", "aarch64"), quant, "single", False, "aligned", "silu", "all", pin)

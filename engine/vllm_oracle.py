@@ -152,6 +152,11 @@ class _Machine:
                 # vLLM's zentorch experts ask only for the ops (experts/zentorch_moe.py:66, cpu_moe.py:1530).
                 module.has_zentorch_op = lambda *args, **kwargs: (Package.zentorch in self.packages
                                                                   and self._platform_key[0] == Vendor.cpu)
+            if callable(vars(module).get("get_b12x_fused_moe")):
+                # b12x's experts ask the package's fused-MoE module whether it runs here
+                # (fused_moe/b12x.py:499-508): present with the b12x package, it answers yes.
+                module.get_b12x_fused_moe = lambda: (types.SimpleNamespace(is_supported=lambda: True)
+                                                     if Package.b12x in self.packages else None)
         for name, supported in _COMPILED_PROBES.items():
             setattr(custom_ops, name, lambda cc, supported=supported: Package.vllm_cutlass in self.packages
                     and supported(cc))

@@ -56,3 +56,22 @@ def test_int8_w8a16_uses_the_wna16_oracle_with_marlin_on_cuda():
     assert decide(config).backend == "marlin"
     answer = _vllm(config)
     assert answer.family == "wna16" and answer.experts == "MarlinExperts"
+
+
+def test_flashinfer_cutlass_refused_below_128_aligned_intermediate():
+    # 2880 is not a multiple of 128: vLLM's FlashInferExperts checks no shape and hangs there (vllm#51492).
+    config = _config({"family": "nvfp4"}, "cuda", "sm_120", CUDA_ALL + ["flashinfer"], hidden=2880,
+                     intermediate=2880)
+    decision = decide(config)
+    assert decision.backend == "vllm_cutlass"
+    assert [r.rule for r in decision.rejections_of("flashinfer_cutlass")] == ["flashinfer_cutlass.intermediate_align_128"]
+    assert _vllm(config).experts == "FlashInferExperts"
+
+
+def test_flashinfer_cutlass_refused_for_nvfp4_biases():
+    # vLLM's FlashInferExperts passes expert biases only for MXFP4 weights: with NVFP4 it drops them.
+    config = _config({"family": "nvfp4"}, "cuda", "sm_120", CUDA_ALL + ["flashinfer"], has_bias=True)
+    decision = decide(config)
+    assert decision.backend == "marlin"
+    assert [r.rule for r in decision.rejections_of("flashinfer_cutlass")] == ["flashinfer_cutlass.nvfp4_no_bias"]
+    assert _vllm(config).experts == "FlashInferExperts"

@@ -284,8 +284,9 @@ def cmd_matrix(args) -> int:
 
 def _write_matrix_page(args, engine, page: Path) -> Path:
     from moerules.engine import matrix_html
-    with _progress(args, len(matrix_html.page_cells()), "matrix page") as bar:
-        explained = matrix_html.build(engine.ruleset, args.engine, **_pool_options(args, bar))
+    cells = matrix_html.page_cells()
+    with _progress(args, len(cells), "matrix page") as bar:
+        explained = matrix_html.build(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
     page.write_text(matrix_html.render(explained, engine.ruleset.hash), encoding="utf-8")
     return page
 
@@ -490,8 +491,9 @@ def make_parser() -> argparse.ArgumentParser:
                                  description="decide every cell of the categorical space; write or check the golden table",
                                  epilog=_CACHE_HELP)
     _rules_option(matrix)
-    matrix.add_argument("--out", default="matrix", help="folder for the golden files (decisions/<platform>.txt) and the page index.html "
-                        "(default matrix/)")
+    matrix.add_argument("--out", default="matrix",
+                        help="folder for the golden files (decisions/<platform>.txt) and the page index.html "
+                             "(default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
     matrix.add_argument("--limit", type=LIMIT, default=50, help="changed cells to print (default 50)")
     matrix.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],

@@ -51,10 +51,11 @@ def explain(engine: Engine, config: MoEConfig) -> dict:
             "prepare_finalize": d.prepare_finalize or "", "ranking": ranked_by, "ruled_out": ruled_out}
 
 
-def build(ruleset: RuleSet, evaluator: str = "auto", platforms=PLATFORMS, *, cache_root=None,
-          workers: Optional[int] = None, progress: Optional[Progress] = None) -> list[tuple[tuple, dict]]:
-    """(dimension values, explanation) of every page cell of `platforms`, through the decision cache."""
-    chosen = page_cells(platforms)
+def build(ruleset: RuleSet, evaluator: str = "auto", cells: Optional[list[tuple[tuple, Cell]]] = None, *,
+          cache_root=None, workers: Optional[int] = None,
+          progress: Optional[Progress] = None) -> list[tuple[tuple, dict]]:
+    """(dimension values, explanation) of every page cell (default: `page_cells()`), through the decision cache."""
+    chosen = page_cells() if cells is None else cells
     explained = pool.evaluate_all(explain, ruleset, [c.config for _, c in chosen], evaluator=evaluator,
                                   cache_root=cache_root, workers=workers, progress=progress)
     return [(values, e) for (values, _), e in zip(chosen, explained)]
@@ -175,7 +176,8 @@ function record(c) {
   const r = D.records[c[6]];
   return {backend: S[r[0]], outcome: S[r[1]], alternatives: r[2].map(i => S[i]), selected_by: S[r[3]],
     fallback_rule: S[r[4]], failure_reason: S[r[5]], prepare_finalize: S[r[6]], ranking: r[7].map(i => S[i]),
-    ruled_out: r[8].map(i => D.ruled_out[i]).map(x => ({backend: S[x[0]], rule: S[x[1]], reason: S[x[2]], more: x[3]}))};
+    ruled_out: r[8].map(i => D.ruled_out[i])
+      .map(x => ({backend: S[x[0]], rule: S[x[1]], reason: S[x[2]], more: x[3]}))};
 }
 
 function summary(r) {
@@ -204,7 +206,8 @@ function buildIndex() {
   for (const p of V.platform) {
     const cells = D.cells.filter(c => V.platform[c[0]] === p);
     const ok = cells.filter(c => S[D.records[c[6]][1]] === "selected").length;
-    const a = el("a", {href: "#", title: `${ok} of ${cells.length} cells have a backend`}, `${p} (${ok}/${cells.length})`);
+    const a = el("a", {href: "#", title: `${ok} of ${cells.length} cells have a backend`},
+      `${p} (${ok}/${cells.length})`);
     a.dataset.platform = p;
     a.onclick = ev => { ev.preventDefault(); state.platform = p;
       document.getElementById("filter-platform").value = p; draw(); };
@@ -231,7 +234,8 @@ function draw() {
   const head = document.querySelector("#grid thead"), body = document.querySelector("#grid tbody");
   const top = el("tr");
   top.append(el("th", {}, "family / activation / shape"),
-    ...columns.map(k => el("th", {title: D.legend.parallel[V.parallel[k >> 1]]}, V.parallel[k >> 1] + (k & 1 ? " +lora" : ""))));
+    ...columns.map(k => el("th", {title: D.legend.parallel[V.parallel[k >> 1]]},
+      V.parallel[k >> 1] + (k & 1 ? " +lora" : ""))));
   head.replaceChildren(top);
   const rows = new Map();
   for (const c of cells) {
@@ -276,14 +280,16 @@ function show(c) {
   const row = (name, value, id) => dl.append(el("dt", {}, name), el("dd", {id: "panel-" + id}, value));
   row("cell", cellKey(c), "cell");
   row("winner", r.outcome === "selected" ? r.backend : `none (${r.outcome}: ${r.failure_reason})`, "winner");
-  if (r.outcome === "selected") row("selected by", r.selected_by + (r.fallback_rule ? ` via rule ${r.fallback_rule}` : ""), "by");
+  if (r.outcome === "selected")
+    row("selected by", r.selected_by + (r.fallback_rule ? ` via rule ${r.fallback_rule}` : ""), "by");
   row("alternatives (eligible, in rank order)", r.alternatives.join(", ") || "none", "alternatives");
   row("ranked by", r.ranking.join(", ") || "no priority rule", "ranking");
   const list = el("ul", {id: "panel-ruled-out"});
   for (const x of r.ruled_out)
     list.append(el("li", {}, `${x.backend}: ${x.rule} \\u2014 ${x.reason}` + (x.more ? ` (+${x.more} more)` : "")));
   dl.append(el("dt", {}, r.outcome === "selected" ? "deciding rules: ranked ahead of it but ruled out" :
-    "deciding rules: every ranked backend ruled out"), el("dd", {}, list.childElementCount ? "" : "none: it ranks first"));
+    "deciding rules: every ranked backend ruled out"),
+    el("dd", {}, list.childElementCount ? "" : "none: it ranks first"));
   dl.lastChild.append(list);
   row("dispatcher", r.prepare_finalize || "none", "dispatcher");
   panel.replaceChildren(dl);

@@ -125,15 +125,18 @@ def render(explained: list[tuple[tuple, dict]], rules_hash: str) -> str:
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>@TITLE@</title>
 <style>
-body{font:13px system-ui,sans-serif;margin:0 1em}
-#bar{position:sticky;top:0;background:#fff;z-index:3;padding:.5em 0;border-bottom:1px solid #ccc}
+html,body{height:100%;margin:0}
+body{font:13px system-ui,sans-serif;display:flex;flex-direction:column}
+#bar{flex:none;padding:.5em 1em;border-bottom:1px solid #ccc}
+#scroll{flex:1;overflow:auto}
 #bar label{margin-right:1em}
 #index{display:flex;flex-wrap:wrap;gap:.1em .8em}
 #index a{white-space:nowrap}
 #index a.on{font-weight:bold}
 table{border-collapse:separate;border-spacing:0}
 th,td{border:1px solid #ddd;padding:2px 5px;white-space:nowrap}
-thead th{position:sticky;top:var(--bar);background:#f4f4f4;z-index:2}
+thead th{position:sticky;top:0;background:#f4f4f4;z-index:2}
+thead th:first-child{left:0;z-index:3}
 tbody th{position:sticky;left:0;background:#fafafa;text-align:left;font-weight:normal;z-index:1}
 tr.platform th{background:#e8e8f4;font-weight:bold}
 td{cursor:pointer}
@@ -144,15 +147,16 @@ td.picked{outline:2px solid #000}
 border:1px solid #aaa;padding:.5em 1em;box-shadow:0 2px 8px #0003;z-index:4}
 #panel:empty{display:none}
 dl.legend dt{font-weight:bold}
+dl.legend{max-height:30vh;overflow:auto}
 dl.legend dd{margin:0 0 .3em 1.5em}
 </style></head><body>
 <div id="bar">
 <b>moerules decision matrix</b> <span id="about"></span>
 <div id="filters"></div>
 <div id="index"></div>
+<details><summary>Legend: what each shape, layout and scheme means</summary><dl class="legend" id="legend"></dl></details>
 </div>
-<table id="grid"><thead></thead><tbody></tbody></table>
-<details><summary>Legend</summary><dl class="legend" id="legend"></dl></details>
+<div id="scroll"><table id="grid"><thead></thead><tbody></tbody></table></div>
 <div id="panel"></div>
 <script id="data" type="application/json">@DATA@</script>
 <script>
@@ -298,7 +302,5 @@ function show(c) {
 document.getElementById("about").textContent =
   `${D.cells.length} cells (auto mode, every package): pick filters, hover or click a cell.`;
 buildFilters(); buildIndex(); buildLegend(); draw();
-const bar = document.getElementById("bar");
-document.documentElement.style.setProperty("--bar", bar.offsetHeight + "px");
 </script></body></html>
 """

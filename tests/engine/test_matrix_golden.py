@@ -112,3 +112,20 @@ def test_one_priority_change_rewrites_only_the_lines_of_the_changed_cells(rulese
         [c.cell for c in changes]
     new = {r["cell"]: r for r in after}
     assert added == [matrix_golden.format_line(new[c.cell]) for c in changes]
+
+
+def test_matrix_writes_the_files_and_check_catches_the_changed_priority(ruleset, tmp_path, monkeypatch, capsys):
+    from moerules.engine import cli, matrix_html
+    cells = [c for c in matrix.cells(ruleset.backends) if c.key.startswith("cuda:sm_90|fp8_w8a8/channel")]
+    every_page_cell = matrix_html.page_cells
+    monkeypatch.setattr(cli, "_matrix_cells", lambda _: cells)
+    monkeypatch.setattr(matrix_html, "page_cells", lambda: every_page_cell([("cuda", "sm_90")]))
+    out, mutant = tmp_path / "m", swapped_priority(tmp_path / "rules")
+    assert cli.main(["matrix", "--out", str(out), "--quiet"]) == 0
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["cuda-sm_90.txt", "index.html"]
+    assert cli.main(["matrix", "--check", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli.main(["matrix", "--check", "--out", str(out), "--quiet", "--rules", str(mutant), "--limit", "1"]) == 2
+    first, more, total = capsys.readouterr().out.splitlines()[:3]
+    assert first.startswith("cuda:sm_90|fp8_w8a8/channel|") and ": vllm_cutlass -> triton (alternatives: " in first
+    assert more.startswith("... and ") and total == f"{int(more.split()[2]) + 1} changed decision(s) of {len(cells)}"

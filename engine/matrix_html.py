@@ -20,7 +20,6 @@ from moerules.errors import EngineError
 from moerules.config import MoEConfig
 
 DIMENSIONS = ("platform", "family", "parallel", "lora", "shape", "activation")
-BASE_LAYER = "16 experts, top-2, bf16 activations, every kernel package installed, backend auto"
 
 
 def page_cells(platforms=PLATFORMS) -> list[tuple[tuple, Cell]]:
@@ -77,6 +76,13 @@ def _record(e: dict, s: _Strings, ruled_out: _Strings) -> list:
             [ruled_out(json.dumps([s(b), s(rule), s(detail), more])) for b, rule, detail, more in e["ruled_out"]]]
 
 
+def base_layer() -> str:
+    """What every page cell shares, read off one of them."""
+    config = _cell(PLATFORMS[0], QUANTS[0], "single", False, "aligned", ACTIVATIONS[0], "all", "auto").config
+    return (f"{config.model.num_experts} experts, top-{config.model.top_k}, {config.model.in_dtype.value} inputs, "
+            f"every kernel package installed ({len(config.platform.packages)}), backend {config.features.backend}")
+
+
 def _multiple(n: int) -> str:
     power = n & -n
     return "a multiple of 256" if power >= 256 else f"a multiple of {power}, not of {2 * power}"
@@ -109,7 +115,7 @@ def page_data(explained: list[tuple[tuple, dict]], rules_hash: str) -> dict:
     supported: dict[str, int] = {}
     for dims, e in explained:
         supported[dims[0]] = supported.get(dims[0], 0) + (e["outcome"] == "selected")
-    return {"rules_hash": rules_hash, "base_layer": BASE_LAYER, "legend": legend(),
+    return {"rules_hash": rules_hash, "base_layer": base_layer(), "legend": legend(),
             "dimensions": {name: list(v) for name, v in zip(DIMENSIONS, values)},
             "default_platform": max(supported, key=lambda p: (supported[p], -list(supported).index(p))),
             "strings": list(strings.index), "ruled_out": [json.loads(r) for r in ruled_out.index],
@@ -154,7 +160,8 @@ dl.legend dd{margin:0 0 .3em 1.5em}
 <b>moerules decision matrix</b> <span id="about"></span>
 <div id="filters"></div>
 <div id="index"></div>
-<details><summary>Legend: what each shape, layout and scheme means</summary><dl class="legend" id="legend"></dl></details>
+<details><summary>Legend: what each shape, layout and scheme means</summary>
+<dl class="legend" id="legend"></dl></details>
 </div>
 <div id="scroll"><table id="grid"><thead></thead><tbody></tbody></table></div>
 <div id="panel"></div>

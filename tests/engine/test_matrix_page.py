@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from moerules.config import Package
 from moerules.engine import matrix_html
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
@@ -66,6 +67,8 @@ def test_the_legend_defines_every_shape_and_layout_on_the_page(page_cells):
         "aligned": "hidden_size=4096 (a multiple of 256), moe_intermediate_size=4096 (a multiple of 256)",
         "unaligned": "hidden_size=2880 (a multiple of 64, not of 128), moe_intermediate_size=2880 (a multiple of 64, "
                      "not of 128)"}
+    assert matrix_html.base_layer() == \
+        f"16 experts, top-2, bf16 inputs, every kernel package installed ({len(Package)}), backend auto"
     assert legend["parallel"]["single"] == "one GPU, no parallelism"
     assert legend["parallel"]["tp2_ep"] == "tp=2, expert_parallel=True"
     assert legend["family"]["fp8_w8a8/channel"] == \
@@ -95,7 +98,6 @@ def _sync_playwright():
 
 
 def decide_with_the_cli(tmp_path: Path) -> dict:
-    from moerules.config import Package
     config = tmp_path / "gfx950-mxfp4-tp4.yaml"
     config.write_text(GFX950_MXFP4_TP4_CONFIG % ", ".join(p.value for p in Package))
     done = subprocess.run([sys.executable, "-m", "moerules.engine.cli", "decide", str(config), "--json"],

@@ -251,13 +251,12 @@ def _matrix_cells(ruleset) -> list:
 
 
 def cmd_matrix(args) -> int:
-    from moerules.engine import matrix, matrix_html
+    from moerules.engine import matrix, matrix_golden
     from moerules.engine.decide import engine_for
     out = Path(args.out)
-    golden = out / "decisions.csv"
+    golden = out / "decisions"
     # Everything that can fail on the files fails before the matrix is decided (minutes).
-    committed = _read_table(golden, matrix.from_csv, missing="no golden matrix",
-                            regenerate=f"moerules matrix --out {out}") if args.check else None
+    committed = matrix_golden.read(golden, regenerate=f"moerules matrix --out {out}") if args.check else None
     if not args.check:
         _check_writable_folder(out)
     engine = engine_for(args.rules, args.engine)
@@ -274,13 +273,22 @@ def cmd_matrix(args) -> int:
             print(f"... and {len(changes) - args.limit} more")
         print(matrix.summary(changes, len(rows)))
         if changes:
+            print("(rules: those now responsible; `moerules diff OLD NEW` gives both sides')")
             print(f"the rules changed these cells; if intended, run `moerules matrix --out {out}` and commit")
         return INVALID if changes else OK
-    golden.write_text(matrix.to_csv(rows), encoding="utf-8")
-    (out / "index.html").write_text(matrix_html.render({r["cell"]: r for r in rows}, engine.ruleset.hash),
-                                    encoding="utf-8")
-    print(f"wrote {golden} ({len(rows)} cells) and {out / 'index.html'}")
+    matrix_golden.write(golden, rows)
+    page = _write_matrix_page(args, engine, out / "index.html")
+    print(f"wrote {golden}/ ({len(rows)} cells) and {page}")
     return OK
+
+
+def _write_matrix_page(args, engine, page: Path) -> Path:
+    from moerules.engine import matrix_html
+    cells = matrix_html.page_cells()
+    with _progress(args, len(cells), "matrix page") as bar:
+        explained = matrix_html.build(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
+    page.write_text(matrix_html.render(explained, engine.ruleset.hash), encoding="utf-8")
+    return page
 
 
 def cmd_diff(args) -> int:
@@ -483,7 +491,9 @@ def make_parser() -> argparse.ArgumentParser:
                                  description="decide every cell of the categorical space; write or check the golden table",
                                  epilog=_CACHE_HELP)
     _rules_option(matrix)
-    matrix.add_argument("--out", default="matrix", help="folder for decisions.csv and index.html (default matrix/)")
+    matrix.add_argument("--out", default="matrix",
+                        help="folder for the golden files (decisions/<platform>.txt) and the page index.html "
+                             "(default matrix/)")
     matrix.add_argument("--check", action="store_true", help="fail (exit 2) listing every cell that differs from the golden table")
     matrix.add_argument("--limit", type=LIMIT, default=50, help="changed cells to print (default 50)")
     matrix.add_argument("--engine", default="auto", choices=["auto", "durable", "reference"],

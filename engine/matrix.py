@@ -1,13 +1,11 @@
 """The decision matrix: every cell of the categorical config space, decided and recorded.
 
-The committed golden table (`matrix/decisions.csv`) makes any change of any cell visible in
-review and in CI; `diff` compares two rule sets over the same cells plus random configs.
+The committed golden table (`matrix/decisions/`, see matrix_golden) makes any change of any cell
+visible in review and in CI; `diff` compares two rule sets over the same cells plus random configs.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import random
 from dataclasses import dataclass
@@ -22,7 +20,6 @@ from moerules.engine import pool
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
 from moerules.engine.progress import Progress
-from moerules.engine.textfile import csv_rows
 from moerules.engine.ruleset import Declared, RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),
@@ -185,18 +182,31 @@ def decide_config(engine: Engine, config: MoEConfig) -> Decision:
         return error.decision
 
 
+def ranking(engine: Engine, decision: Decision) -> tuple[list[str], list[str]]:
+    """The platform priority this decision applied, and the ids of the priority rules that made it
+    (the base order first)."""
+    fired = set(decision.trace)
+    applied = [r for r in engine.ruleset.priorities if r.id in fired]
+    order, base = effective_order(applied)
+    return order, [r.id for r in applied if r is base] + [r.id for r in applied if r is not base]
+
+
+def beaten(order: list[str], decision: Decision) -> list[str]:
+    """The backends the decision had to rule out: those ranked before the winner (every ranked one when
+    none was selected; for a pinned cell the pin and every ranked one)."""
+    if decision.requested != "auto":
+        return [decision.requested, *order]
+    return order[:order.index(decision.backend)] if decision.backend in order else order
+
+
 def responsible_rules(engine: Engine, decision: Decision) -> list[str]:
     """The rules a reader needs to explain this cell: what blocked the better-ranked backends
     (every ranked backend when none was selected or the backend was pinned), what picked the
     dispatcher and the plan."""
     fired = set(decision.trace)
-    ruleset = engine.ruleset
-    order = effective_order([r for r in ruleset.priorities if r.id in fired])[0]
-    ahead = order[:order.index(decision.backend)] if decision.backend in order else order
-    if decision.requested != "auto":  # a pinned row also lists why each ranked alternative was out
-        ahead = [decision.requested, *order]
+    ahead = beaten(ranking(engine, decision)[0], decision)
     rules = {r.rule for r in decision.rejections if r.backend in ahead or r.backend == decision.prepare_finalize}
-    rules |= {r.id for r in ruleset.dispatch if r.id in fired}
+    rules |= {r.id for r in engine.ruleset.dispatch if r.id in fired}
     if decision.quant is not None:
         rules |= set(decision.quant.rules)
     return sorted(rules)
@@ -207,7 +217,7 @@ def record(engine: Engine, config: MoEConfig) -> dict:
     try:
         d = decide_config(engine, config)
     except EngineError as error:
-        return {"outcome": "error", "failure_reason": str(error), "rules": ""}
+        return {**dict.fromkeys(COLUMNS[1:], ""), "outcome": "error", "failure_reason": str(error)}
     q, pad = d.quant, d.padding
     return {"outcome": d.outcome.value, "backend": d.backend or "",
             "alternatives": " ".join(d.alternatives),
@@ -235,19 +245,6 @@ def build_rows(ruleset: RuleSet, evaluator: str = "auto", cells_: Optional[Seque
     return [{"cell": c.key, **r} for c, r in zip(chosen, records)]
 
 
-def to_csv(rows: list[dict]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
-
-
-def from_csv(text: str, source: str = "decisions.csv") -> dict[str, dict]:
-    """cell -> row of a golden table written by `to_csv`; anything else is a TableFileError naming `source`."""
-    return {r["cell"]: r for r in csv_rows(text, source, COLUMNS)}
-
-
 @dataclass(frozen=True)
 class Change:
     cell: str
@@ -256,7 +253,8 @@ class Change:
 
     @property
     def rules(self) -> list[str]:
-        """Rule ids that explain the difference: in one record's explanation but not the other's."""
+        """Rule ids that explain the difference: in one record's explanation but not the other's (a row
+        read from the golden files has none, so against them these are the rules now responsible)."""
         old, new = set(self.old.get("rules", "").split()), set(self.new.get("rules", "").split())
         return sorted(old ^ new)
 

@@ -39,7 +39,7 @@ class ConfigFileError(FileError):
 
 
 class TableFileError(FileError):
-    """A golden table (decisions.csv, conformance.csv) is unreadable or not one moerules wrote."""
+    """A golden table (matrix/decisions/*.txt, conformance.csv) is unreadable or not one moerules wrote."""
 
     what = "golden table"
 

@@ -37,7 +37,7 @@ MAX_CUDA_CC_DIGITS = 4
 MAX_LAYER_DIM = 1 << 20
 MAX_RANKS = 1 << 16
 
-# A golden table moerules writes (matrix/decisions.csv is ~40 MB for 52k cells); a larger file is not one of ours.
+# A golden table moerules writes (a matrix/decisions/ file is ~1 MB); a larger file is not one of ours.
 MAX_TABLE_BYTES = 256 * 1024 * 1024
 
 # `moerules run`: tokens of its one forward pass, and its seed (torch generators take 64-bit seeds).

@@ -10,6 +10,14 @@ pip install --quiet --disable-pip-version-check --no-deps "vllm==0.33.0"
 pip install --quiet --disable-pip-version-check -e ".[vllm]" -c constraints.txt
 echo "moerules: installing transformers and safetensors for the Hugging Face round-trip tests (tests/hf)"
 pip install --quiet --disable-pip-version-check -e ".[hf]" -c constraints.txt
+echo "moerules: installing playwright and Debian's Chromium for the matrix page's browser test"
+pip install --quiet --disable-pip-version-check -e ".[browser]" -c constraints.txt
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ]; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 ||
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+fi
+# Where Chromium is here (CI runs as root), the browser test must run, never skip.
+if [ -x /usr/bin/chromium ]; then export MOERULES_REQUIRE_BROWSER=1; fi
 set -x
 moerules schema --check
 moerules lint

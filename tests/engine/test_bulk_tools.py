@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from moerules.config import MoEConfig
-from moerules.engine import matrix, pool
+from moerules.engine import matrix, matrix_golden, pool
 from moerules.engine.cli import main
 from moerules.engine.decision_cache import DecisionCache, config_key
 from moerules.engine.loader import load_rules
@@ -30,9 +30,9 @@ def sample(ruleset):
     return list(matrix.cells(ruleset.backends))[::400]
 
 
-def test_the_pool_writes_the_same_csv_as_one_process(ruleset, sample):
-    one = matrix.to_csv(matrix.build_rows(ruleset, cells_=sample, workers=1))
-    two = matrix.to_csv(matrix.build_rows(ruleset, cells_=sample, workers=2))
+def test_the_pool_writes_the_same_golden_files_as_one_process(ruleset, sample):
+    one = matrix_golden.to_files(matrix.build_rows(ruleset, cells_=sample, workers=1))
+    two = matrix_golden.to_files(matrix.build_rows(ruleset, cells_=sample, workers=2))
     assert one == two
 
 

@@ -68,13 +68,14 @@ class Files:
         return str(path)
 
     def _golden(self, name: str, data) -> str:
+        """A golden folder whose matrix file and conformance report both hold `data` (None: a malformed line)."""
         from moerules.engine.conformance import COLUMNS as CONFORMANCE
-        from moerules.engine.matrix import COLUMNS as MATRIX
         folder = self.root / f"golden-{name}"
-        folder.mkdir(exist_ok=True)
-        for file, columns in (("decisions.csv", MATRIX), ("conformance.csv", CONFORMANCE)):
-            text = data if data is not None else (",".join(columns) + "\nonly,three,fields\n").encode()
-            (folder / file).write_bytes(text)
+        (folder / "decisions").mkdir(parents=True, exist_ok=True)
+        (folder / "decisions" / "cuda-sm_90.txt").write_bytes(
+            data if data is not None else b"cuda:sm_90|x: triton scale_dim=1 bogus\n")
+        (folder / "conformance.csv").write_bytes(
+            data if data is not None else (",".join(CONFORMANCE) + "\nonly,three,fields\n").encode())
         return str(folder)
 
     @staticmethod

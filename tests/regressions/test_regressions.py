@@ -2,13 +2,14 @@
 rules (or a mutated component), and the check in our suite that catches it.
 
 Rule mutants are caught by the committed decision matrix (the cells of the mutant's
-platform are re-decided and compared with matrix/decisions.csv) and by the invariants the
+platform are re-decided and compared with the golden files in matrix/decisions/) and by the invariants the
 property suite asserts; component mutants by the kernel-boundary checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from moerules import build, decide
 from moerules.config import MoEConfig
 from moerules.decision import Outcome
 from moerules.errors import BackendRejectedError
-from moerules.engine import matrix
+from moerules.engine import matrix, matrix_golden
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
 from moerules.kernels import make_random_weights
@@ -26,16 +27,26 @@ from moerules.resources import default_rules_dir
 
 from decision_helpers import config, cuda
 
-GOLDEN = Path(__file__).resolve().parents[2] / "matrix" / "decisions.csv"
+GOLDEN = Path(__file__).resolve().parents[2] / "matrix" / "decisions"
+
+
+@functools.lru_cache(maxsize=1)
+def golden_rows() -> dict[str, dict]:
+    return matrix_golden.read(GOLDEN, regenerate="moerules matrix")
 
 
 def matrix_changes(rules: Path, *fragments: str) -> list[matrix.Change]:
-    """Re-decide the golden cells whose key contains every fragment, under `rules`."""
-    golden = matrix.from_csv(GOLDEN.read_text())
-    engine = Engine(load_rules(rules))
+    """Re-decide the golden cells whose key contains every fragment, under `rules`: the cells whose
+    decision differs from the committed golden files, each with both sides' explanations (the golden
+    files hold decisions only, so the default rules' side is decided again for its explanation)."""
+    engine, default = Engine(load_rules(rules)), Engine(load_rules(default_rules_dir()))
     cells = [c for c in matrix.cells(engine.ruleset.backends) if all(f in c.key for f in fragments)]
     assert cells, f"no matrix cell matches {fragments}"
-    return matrix.compare({c.key: golden[c.key] for c in cells}, {c.key: matrix.row(engine, c) for c in cells})
+    new = {c.key: matrix.row(engine, c) for c in cells}
+    caught = matrix.compare({c.key: golden_rows()[c.key] for c in cells}, new)
+    explained = matrix.compare({c.key: matrix.row(default, c) for c in cells}, new)
+    assert [c.cell for c in caught] == [c.cell for c in explained]
+    return explained
 
 
 def test_the_golden_matrix_matches_the_default_rules_on_a_sample():

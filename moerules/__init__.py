@@ -19,8 +19,8 @@ if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init_
 
 from moerules.config import MoEConfig  # noqa: E402
 from moerules.decision import Decision, ReasonCode  # noqa: E402
-from moerules.errors import (BackendRejectedError,  # noqa: E402 KernelUnavailableError, MoeRulesError, RuleFileError,
-                             RuleSetError, UnknownBackendError)
+from moerules.errors import (BackendRejectedError, KernelUnavailableError, MoeRulesError,  # noqa: E402
+                             RuleFileError, RuleSetError, UnknownBackendError)
 
 __version__ = "0.1.0"
 

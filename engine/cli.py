@@ -174,9 +174,11 @@ def cmd_decide(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from moerules.engine.decide import engine_for
     from moerules.engine.explain import explain_text
     decision = _decision(args)
-    print(decision.to_json() if args.json else explain_text(decision))
+    dispatchers = engine_for(args.rules, args.engine).ruleset.dispatchers
+    print(decision.to_json() if args.json else explain_text(decision, dispatchers=dispatchers, show_all=args.all))
     return OK if decision.outcome.value == "selected" else UNSUPPORTED
 
 
@@ -466,6 +468,9 @@ def make_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
         _config_arguments(sub)
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
+        if name == "explain":
+            sub.add_argument("--all", action="store_true", help="every rejection of every component, dispatchers "
+                                                                "outside this layout included")
         sub.set_defaults(func=func)
     lint = commands.add_parser("lint", help="static checks of a rule set, then coverage over the matrix",
                                description="static checks of a rule set (printed first), then dispatch/plan "

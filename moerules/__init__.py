@@ -34,13 +34,14 @@ def decide(config, rules=None, engine: str = "auto") -> Decision:
 def explain(config, rules=None, engine: str = "auto", as_json: bool = False) -> str:
     """The decision for `config` as a readable report (or stable JSON)."""
     from moerules.engine.explain import explain_text
-    from moerules.engine.decide import decide as _decide
+    from moerules.engine.decide import decide as _decide, engine_for
     from moerules.errors import BackendRejectedError as _Rejected
     try:
         decision = _decide(config, rules, engine)
     except _Rejected as error:
         decision = error.decision
-    return decision.to_json() if as_json else explain_text(decision)
+    dispatchers = engine_for(rules, engine).ruleset.dispatchers  # the engine decide just used
+    return decision.to_json() if as_json else explain_text(decision, dispatchers=dispatchers)
 
 
 def load_rules(path=None):

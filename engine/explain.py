@@ -84,9 +84,9 @@ def _ranking_lines(decision: Decision, width: int) -> list[str]:
         out += _wrapped(f"  {'base order' if step.action == 'order' else step.action + 's'}: ",
                         f"{what}{step.rule} ({step.source}{cite})", width)
     rejected = {r.backend for r in decision.rejections}
-    marks = [f"{name}{'' if name not in rejected else ' x'}{' <- winner' if name == decision.backend else ''}"
+    marks = [name + ("[x]" if name in rejected else "[winner]" if name == decision.backend else "")
              for name in decision.ranking[-1].order]
-    out += _wrapped("  final order: ", ", ".join(marks) + "   (x: rejected)", width)
+    out += _wrapped("  final order ([x] rejected): ", ", ".join(marks), width)
     for name in decision.alternatives:
         out += _wrapped(f"  {name} (eligible): ", runner_up_reason(decision, name), width)
     return out

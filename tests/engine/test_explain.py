@@ -31,7 +31,7 @@ def test_the_bar_command_shows_the_shapes_and_the_ranking(capsys, monkeypatch):
     assert "E=128 top_k=8 hidden=2048 moe_intermediate=768" in flat and "(w block128, a group128 dynamic)" in flat
     assert f"base order: fp8.order ({where('fp8.order')}; vLLM model_executor/layers/fused_moe/oracle/fp8.py:88-104)" \
         in flat
-    assert "vllm_cutlass x, triton <- winner, marlin x" in flat
+    assert "final order ([x] rejected): xpu[x], aiter[x]," in flat and "vllm_cutlass[x], triton[winner], marlin[x]" in flat
     assert max(map(len, out.splitlines()[1:])) <= 120  # the first line is the one-line describe()
 
 

@@ -253,7 +253,10 @@ def cmd_run(args) -> int:
     print(decision.describe())
     if decision.outcome.value != "selected":
         return UNSUPPORTED
-    report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device, max_gib=args.max_gib)
+    from moerules.run import RUN_STAGES
+    with _progress(args, RUN_STAGES, "run") as bar:
+        report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device,
+                             max_gib=args.max_gib, stage=bar.stage)
     for key, value in report.items():
         print(f"{key}: {value}")
     return OK
@@ -444,7 +447,7 @@ DEBUG_HELP = "show the traceback of any error (for bug reports)"
 
 
 _OWN_OPTIONS = frozenset({"--model", "--hf-config", "--hf-layer", "--platform", "--detect", "--rules", "--engine",
-                          "--json", "--all", "--debug", "--tokens", "--seed", "--device", "--max-gib", "--version"})
+                          "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib", "--version"})
 
 
 _CONFIG_USAGE = ("moerules {} [CONFIG | --model PRESET | --hf-config PATH] [--platform VENDOR:ARCH | --detect]\n"
@@ -581,6 +584,7 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-gib", type=positive_number, default=None,
                      help=f"largest weight footprint to generate, in GiB (default {DEFAULT_CPU_RUN_GIB:g} on a CPU; "
                           "a GPU's free memory)")
+    run.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal anyway)")
     run.set_defaults(func=cmd_run)
     for sub in commands.choices.values():  # `moerules decide x --debug` as well as `moerules --debug decide x`
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

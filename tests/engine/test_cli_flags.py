@@ -123,3 +123,14 @@ def test_config_file_errors_point_at_file_line_col_with_a_suggestion(tmp_path, c
     bad.write_text("model: mixtrl\n")
     assert main(["decide", str(bad)]) == 2
     assert f"{bad}:1:8: unknown model preset 'mixtrl' (did you mean 'mixtral-8x7b'?)" in capsys.readouterr().err
+
+
+def test_a_stepwise_progress_line_names_each_stage():
+    import io
+    from moerules.engine.progress import Progress
+    stream = io.StringIO()
+    bar = Progress(2, "run", stream)
+    bar.stage("importing torch")
+    bar.stage("building")
+    bar.close()
+    assert stream.getvalue() == "\rrun: 1/2 importing torch \rrun: 2/2 building        \rrun: 2/2 building \n"

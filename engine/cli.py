@@ -162,7 +162,7 @@ def _config_error(error: ValidationError, doc: Optional[YamlDocument], source: s
     flag = flags.get(tuple(str(part) for part in first["loc"][:2]))
     if flag:
         return InputError(f"{flag}: {first['msg']}")
-    if "model" in [str(part) for part in first["loc"][:1]] and first["type"] == "missing" and not doc:
+    if doc is None and first["type"] == "missing" and first["loc"][:1] == ("model",):
         return InputError("give a config file (YAML/JSON), --model PRESET "
                           f"(presets: {', '.join(sorted(PRESETS))}), --hf-config config.json, or the model flags "
                           "(--num-experts, --top-k, --hidden-size, --moe-intermediate-size)")
@@ -446,10 +446,11 @@ SAMPLE = bounded_int(1, 10 ** 9)
 DEBUG_HELP = "show the traceback of any error (for bug reports)"
 
 
+# Options of the commands that take a config (decide, explain, run, moerules.launch): a config field
+# of the same name gets its section as a prefix instead.
 _OWN_OPTIONS = frozenset({"--model", "--hf-config", "--hf-layer", "--platform", "--detect", "--rules", "--engine",
-                          "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib", "--version"})
-
-
+                          "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib",
+                          "--version", "--iters", "--timeout", "--dist-backend"})
 _CONFIG_USAGE = ("moerules {} [CONFIG | --model PRESET | --hf-config PATH] [--platform VENDOR:ARCH | --detect]\n"
                  "       [--FIELD VALUE ...] [options]   (a flag per MoEConfig field: see below)")
 

@@ -55,7 +55,7 @@ def _selected_lines(decision: Decision, width: int) -> list[str]:
         f"external package {decision.external_package}"
     fields = [
         ("experts", f"{decision.backend} (kernel {kernel}), selected by {decision.selected_by.value}"
-         + (f" via {decision.fallback_rule}" if decision.fallback_rule else "")),
+         + _fallback_text(decision)),
         ("prepare/finalize", f"{decision.prepare_finalize}, {decision.activation_format.value} format, "
                              f"{'monolithic' if decision.monolithic else 'modular'}"),
         ("quantisation", f"by {q.quantized_by.value}; expects_unquantized_inputs={q.expects_unquantized_inputs}; "
@@ -66,6 +66,23 @@ def _selected_lines(decision: Decision, width: int) -> list[str]:
         ("experts on ranks", f"{decision.expert_placement.value} (ep_size {decision.config.parallel.ep_size})"),
     ]
     return [""] + [line for label, text in fields for line in _wrapped(f"{label + ':':<18}", text, width)]
+
+
+def _fallback_text(decision: Decision) -> str:
+    """' via RULE (file:line), displacing BACKEND' for a fallback: the better-ranked backend the rule took."""
+    if not decision.fallback_rule:
+        return ""
+    # The first better-ranked backend only the fallback rule rejected (as decide found it).
+    displaced = next((rejections[0] for name in _ahead_of_winner(decision)
+                      for rejections in [decision.rejections_of(name)]
+                      if rejections and all(r.rule == decision.fallback_rule for r in rejections)), None)
+    where = f" ({displaced.source}), displacing {displaced.backend}" if displaced else ""
+    return f" via {decision.fallback_rule}{where}"
+
+
+def _ahead_of_winner(decision: Decision) -> tuple[str, ...]:
+    order = decision.ranking[-1].order if decision.ranking else ()
+    return order[:order.index(decision.backend)] if decision.backend in order else ()
 
 
 def _unsupported_lines(decision: Decision) -> list[str]:

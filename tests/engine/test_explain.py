@@ -105,6 +105,8 @@ def test_the_fallback_warning_names_the_displaced_backend_and_the_rule():
     assert fallback_message(decision, RULES) == (
         f"auto mode fell back to triton: flashinfer_trtllm ranks higher but rule lora.requires_capable_backend "
         f"({rule.source}) rejects it (flashinfer_trtllm experts cannot apply LoRA deltas)")
+    assert (f"experts: triton (kernel triton.fused_moe), selected by fallback via lora.requires_capable_backend "
+            f"({rule.source}), displacing flashinfer_trtllm") in " ".join(explain_text(decision).split())
 
 
 def test_every_reason_code_has_a_severity():

@@ -218,7 +218,7 @@ class Assembler:
                     trace=tuple(evaluation.fired), config=self.config)
 
 
-def displaced(ruleset: RuleSet, rejections_of, better: list[str]):
+def displaced(ruleset: RuleSet, rejections_of, better) -> Optional[tuple]:
     """(backend, rule): the better-ranked backend auto mode gave up and the fallback rule that took it,
     if only fallback rules rejected it; else None."""
     for backend in better:
@@ -230,9 +230,8 @@ def displaced(ruleset: RuleSet, rejections_of, better: list[str]):
 
 def fallback_message(decision: Decision, ruleset: RuleSet) -> str:
     """The fallback warning: the winner, the displaced backend, the rule, where it is written, and why."""
-    order = [step.order for step in decision.ranking[-1:]] or [()]
-    better = list(order[0][:order[0].index(decision.backend)]) if decision.backend in order[0] else []
-    backend, rule = displaced(ruleset, decision.rejections_of, better) or (None, ruleset.rule(decision.fallback_rule))
+    backend, rule = displaced(ruleset, decision.rejections_of, decision.ranked_ahead()) or \
+        (None, ruleset.rule(decision.fallback_rule))
     why = next((r.detail for r in decision.rejections_of(backend) if r.rule == rule.id), rule.item.message)
     return (f"auto mode fell back to {decision.backend}: {backend or 'a better-ranked backend'} ranks higher but rule "
             f"{rule.id} ({rule.source}) rejects it ({why})")

@@ -192,8 +192,8 @@ def ranking(rules: list[Rule]) -> tuple[list[str], list[RankStep]]:
 
 def _step(rule: Rule, moved: list[str], order: list[str]) -> RankStep:
     # Every field comes from a validated rule file, so skip re-validation (matrix ranks ~10^5 configs).
-    return RankStep.model_construct(rule=rule.id, source=rule.source, action=rule.item.action, moved=tuple(moved),
-                    order=tuple(order), cite=rule.item.cite)
+    return RankStep.model_construct(rule=rule.id, source=rule.source, action=rule.item.action,
+                                    moved=tuple(moved), order=tuple(order), cite=rule.item.cite)
 
 
 def single(rules: list[Rule], what: str) -> Optional[Rule]:

@@ -73,16 +73,11 @@ def _fallback_text(decision: Decision) -> str:
     if not decision.fallback_rule:
         return ""
     # The first better-ranked backend only the fallback rule rejected (as decide found it).
-    displaced = next((rejections[0] for name in _ahead_of_winner(decision)
+    displaced = next((rejections[0] for name in decision.ranked_ahead()
                       for rejections in [decision.rejections_of(name)]
                       if rejections and all(r.rule == decision.fallback_rule for r in rejections)), None)
     where = f" ({displaced.source}), displacing {displaced.backend}" if displaced else ""
     return f" via {decision.fallback_rule}{where}"
-
-
-def _ahead_of_winner(decision: Decision) -> tuple[str, ...]:
-    order = decision.ranking[-1].order if decision.ranking else ()
-    return order[:order.index(decision.backend)] if decision.backend in order else ()
 
 
 def _unsupported_lines(decision: Decision) -> list[str]:

@@ -110,10 +110,6 @@ class RankStep(BaseModel):
     order: tuple[str, ...]
     cite: Optional[str] = None
 
-    def describe(self) -> str:
-        what = "base order" if self.action == "order" else f"{self.action}s {', '.join(self.moved)}"
-        return f"{self.rule} ({self.source}) {what}"
-
 
 class QuantPlacement(BaseModel):
     """Who quantises the activations, and what crosses the dispatcher."""
@@ -189,6 +185,11 @@ class Decision(BaseModel):
         elif self.backend is not None or not self.error or self.failure_reason is None:
             raise ValueError("an unsupported decision names no backend and carries an error and a failure_reason")
         return self
+
+    def ranked_ahead(self) -> tuple[str, ...]:
+        """The backends the final platform priority ranks above the winner (none without a winner in it)."""
+        order = self.ranking[-1].order if self.ranking else ()
+        return order[:order.index(self.backend)] if self.backend in order else ()
 
     def rejections_of(self, backend: str) -> tuple[Rejection, ...]:
         return tuple(r for r in self.rejections if r.backend == backend)

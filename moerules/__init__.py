@@ -31,8 +31,9 @@ def decide(config, rules=None, engine: str = "auto") -> Decision:
     return _decide(config, rules, engine)
 
 
-def explain(config, rules=None, engine: str = "auto", as_json: bool = False) -> str:
-    """The decision for `config` as a readable report (or stable JSON)."""
+def explain(config, rules=None, engine: str = "auto", as_json: bool = False, show_all: bool = False) -> str:
+    """The decision for `config` as a readable report (or stable JSON): the ranking, the plan and one
+    decisive rejection per component (`show_all`: every rejection, every dispatcher)."""
     from moerules.engine.explain import explain_text
     from moerules.engine.decide import decide as _decide, engine_for
     from moerules.errors import BackendRejectedError as _Rejected
@@ -41,7 +42,7 @@ def explain(config, rules=None, engine: str = "auto", as_json: bool = False) -> 
     except _Rejected as error:
         decision = error.decision
     dispatchers = engine_for(rules, engine).ruleset.dispatchers  # the engine decide just used
-    return decision.to_json() if as_json else explain_text(decision, dispatchers=dispatchers)
+    return decision.to_json() if as_json else explain_text(decision, dispatchers=dispatchers, show_all=show_all)
 
 
 def load_rules(path=None):

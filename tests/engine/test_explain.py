@@ -111,3 +111,10 @@ def test_the_fallback_warning_names_the_displaced_backend_and_the_rule():
 
 def test_every_reason_code_has_a_severity():
     assert set(SEVERITY) == set(ReasonCode)
+
+
+def test_the_library_explain_hides_other_dispatchers_unless_asked():
+    import moerules
+    text, every = moerules.explain(SM90_BF16), moerules.explain(SM90_BF16, show_all=True)
+    assert "dispatchers outside this layout hidden" in text and "dispatchers outside this layout hidden" not in every
+    assert "\ndeepep_ll " in every and "\ndeepep_ll " not in text

@@ -55,3 +55,12 @@ def test_the_matcher_catches_a_drift():
     assert mismatch(["a", "c d"], real) != ""            # consecutive unless `...`
     assert mismatch(["a", "...", "x"], real) != ""       # a line not in the output
     assert mismatch(["a", "b", "c e..."], real) != ""    # a wrong prefix
+
+
+def test_every_moerules_command_line_the_readme_shows_parses():
+    from moerules.engine.cli import make_parser
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = [line.split("#")[0].strip() for line in re.findall(r"^\$? ?(moerules [^\n`]+)$", text, re.MULTILINE)]
+    assert len(lines) >= 5
+    for line in lines:
+        make_parser().parse_args(shlex.split(line)[1:])  # argparse exits 2 on an option the CLI lost

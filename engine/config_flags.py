@@ -35,10 +35,6 @@ class ConfigFlag:
     def dest(self) -> str:
         return f"config__{self.section}__{self.field}"
 
-    @property
-    def path(self) -> str:
-        return f"{self.section}.{self.field}"
-
 
 def config_flags(reserved: frozenset[str] = frozenset()) -> list[ConfigFlag]:
     """Every field of every MoEConfig section: `--<field>`, or `--<section>-<field>` where the bare

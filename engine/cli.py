@@ -1,4 +1,4 @@
-"""The `moerules` command line. Exit codes: 0 ok, 1 unsupported config, 2 invalid input."""
+"""The `moerules` command line. Exit codes: 0 ok, 1 unsupported config, 2 invalid input, 141 stdout closed."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Callable, Optional
 
 from pydantic import ValidationError
 
+from moerules import __version__
 from moerules.config import MoEConfig
 from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError, TableFileError
+from moerules.engine.config_flags import add_config_flags, flag_sections
 from moerules.engine.loader import structure_error
 from moerules.engine.textfile import is_folder, is_regular_file, read_text
 from moerules.engine.yamlsource import YamlDocument
@@ -23,6 +25,7 @@ from moerules.presets import PRESETS, preset
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
 INTERRUPTED = 130  # the shell's code for Ctrl-C
+BROKEN_PIPE = 141  # the shell's code for a writer whose reader closed the pipe (128 + SIGPIPE)
 
 
 class InputError(Exception):
@@ -98,56 +101,83 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def _flags_to_sections(args) -> dict:
-    sections: dict = {}
-
-    def put(section: str, key: str, value) -> None:
-        if value is not None:
-            sections.setdefault(section, {})[key] = value
-
-    put("quant", "family", args.quant)
-    put("quant", "weight_granularity", args.weight_granularity)
-    put("quant", "activation_granularity", args.activation_granularity)
-    put("parallel", "tp", args.tp)
-    put("parallel", "dp", args.dp)
-    put("parallel", "expert_parallel", True if args.ep else None)
-    put("parallel", "all2all_backend", args.all2all)
-    put("features", "lora", True if args.lora else None)
-    put("features", "backend", args.backend)
+    """The config sections the command line sets: the generated field flags, and the --platform shorthand."""
+    sections = flag_sections(args, args.config_flags)
     if args.platform:
+        platform = sections.setdefault("platform", {})
+        if {"vendor", "arch"} & set(platform):
+            raise InputError("give --platform VENDOR:ARCH or --vendor/--arch, not both")
         vendor, _, arch = args.platform.partition(":")
-        put("platform", "vendor", vendor)
-        put("platform", "arch", arch or None)
-    if args.packages is not None:
-        put("platform", "packages", [p for p in args.packages.split(",") if p])
+        platform.update({"vendor": vendor, **({"arch": arch} if arch else {})})
+    if args.detect and sections.get("platform"):
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in sections["platform"])
+        raise InputError(f"--detect takes the platform from this machine; drop {given}, or drop --detect")
     return sections
 
 
 def build_config(args) -> MoEConfig:
-    if sum(1 for given in (args.config, args.model, args.hf_config) if given) > 1:
-        raise InputError("give one of a config file, --model or --hf-config")
-    doc = None
-    if args.config:
-        doc, data = _read_config_file(args.config)
-    elif args.model:
-        data = _preset(args.model)
-    elif args.hf_config:
-        from moerules.hf_config import hf_sections
-        data = hf_sections(args.hf_config, layer=args.hf_layer)
-    else:
-        raise InputError("give a config file (YAML/JSON), --model PRESET "
-                         f"(presets: {', '.join(sorted(PRESETS))}) or --hf-config config.json")
-    data = _merge(data, _flags_to_sections(args))
+    """The config of a command: its source (file, preset, HF config or none), then the flags over it."""
+    doc, data, source = _config_source(args)
+    flags = _flags_to_sections(args)
+    data = _merge(data, flags)
     if args.detect:
         from moerules.engine.detect import detect, detect_switches
         data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm", "cpu_amx"})
         data["switches"] = detect_switches().model_dump()
     try:
-        return MoEConfig.model_validate(data)
+        config = MoEConfig.model_validate(data)
     except ValidationError as error:
-        if doc is None:
-            source = f"--model {args.model}" if args.model else f"--hf-config {args.hf_config}"
-            raise InputError(_pydantic_message(error, source)) from None
-        raise structure_error(doc, error.errors()[0], MoEConfig) from None  # the first; fixing it may fix the rest
+        raise _config_error(error, doc, source, _flag_names(args, flags)) from None
+    if "platform" not in data:
+        _say_assumed_platform()
+    return config
+
+
+def _config_source(args) -> tuple[Optional[YamlDocument], dict, str]:
+    if sum(1 for given in (args.config, args.model, args.hf_config) if given) > 1:
+        raise InputError("give one of a config file, --model or --hf-config")
+    if args.config:
+        doc, data = _read_config_file(args.config)
+        return doc, data, args.config
+    if args.model:
+        return None, _preset(args.model), f"--model {args.model}"
+    if args.hf_config:
+        from moerules.hf_config import hf_sections
+        return None, hf_sections(args.hf_config, layer=args.hf_layer), f"--hf-config {args.hf_config}"
+    return None, {}, "the command line"
+
+
+def _flag_names(args, sections: dict) -> dict[tuple[str, str], str]:
+    """(section, field) -> the flag that set it, for each field the command line set."""
+    names = {(flag.section, flag.field): flag.names[0] for flag in args.config_flags}
+    if args.platform:
+        names.update({("platform", "vendor"): "--platform", ("platform", "arch"): "--platform"})
+    return {key: name for key, name in names.items() if key[1] in sections.get(key[0], {})}
+
+
+def _config_error(error: ValidationError, doc: Optional[YamlDocument], source: str, flags: dict) -> Exception:
+    """The first invalid field (fixing it may fix the rest): at its flag if the command line set it,
+    else at its file:line:col in the config file, else named under its source."""
+    first = error.errors()[0]
+    flag = flags.get(tuple(str(part) for part in first["loc"][:2]))
+    if flag:
+        return InputError(f"{flag}: {first['msg']}")
+    if doc is None and first["type"] == "missing" and first["loc"][:1] == ("model",):
+        return InputError("give a config file (YAML/JSON), --model PRESET "
+                          f"(presets: {', '.join(sorted(PRESETS))}), --hf-config config.json, or the model flags "
+                          "(--num-experts, --top-k, --hidden-size, --moe-intermediate-size)")
+    if doc is not None:
+        return structure_error(doc, first, MoEConfig)
+    return InputError(_pydantic_message(error, source))
+
+
+def _say_assumed_platform() -> None:
+    """No platform given: the default one is decided for, and stderr says which (stdout stays the record)."""
+    from moerules.config import Platform
+    default = Platform()
+    packages = ",".join(sorted(p.value for p in default.packages))
+    print(f"moerules: no platform given; deciding for {default.vendor.value}:{default.arch} with packages {packages} "
+          "(give --platform VENDOR:ARCH, or --detect for this machine)", file=sys.stderr)
 
 
 def _pydantic_message(error: ValidationError, source: str) -> str:
@@ -174,9 +204,11 @@ def cmd_decide(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from moerules.engine.decide import engine_for
     from moerules.engine.explain import explain_text
     decision = _decision(args)
-    print(decision.to_json() if args.json else explain_text(decision))
+    dispatchers = engine_for(args.rules, args.engine).ruleset.dispatchers
+    print(decision.to_json() if args.json else explain_text(decision, dispatchers=dispatchers, show_all=args.all))
     return OK if decision.outcome.value == "selected" else UNSUPPORTED
 
 
@@ -221,7 +253,10 @@ def cmd_run(args) -> int:
     print(decision.describe())
     if decision.outcome.value != "selected":
         return UNSUPPORTED
-    report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device, max_gib=args.max_gib)
+    from moerules.run import RUN_STAGES
+    with _progress(args, RUN_STAGES, "run") as bar:
+        report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device,
+                             max_gib=args.max_gib, stage=bar.stage)
     for key, value in report.items():
         print(f"{key}: {value}")
     return OK
@@ -419,6 +454,15 @@ SAMPLE = bounded_int(1, 10 ** 9)
 DEBUG_HELP = "show the traceback of any error (for bug reports)"
 
 
+# Options of the commands that take a config (decide, explain, run, moerules.launch): a config field
+# of the same name gets its section as a prefix instead.
+_OWN_OPTIONS = frozenset({"--model", "--hf-config", "--hf-layer", "--platform", "--detect", "--rules", "--engine",
+                          "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib",
+                          "--version", "--iters", "--timeout", "--dist-backend"})
+_CONFIG_USAGE = ("moerules {} [CONFIG | --model PRESET | --hf-config PATH] [--platform VENDOR:ARCH | --detect]\n"
+                 "       [--FIELD VALUE ...] [options]   (a flag per MoEConfig field: see below)")
+
+
 def _config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
     parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
@@ -426,19 +470,14 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "MoE layers' model and quant sections")
     parser.add_argument("--hf-layer", type=int, metavar="N", help="with --hf-config: decide for decoder layer N "
                                                                   "(refused if it is a dense layer)")
-    parser.add_argument("--quant", help="quant family, e.g. fp8_w8a8, mxfp4_w4a16 (default: the preset's)")
-    parser.add_argument("--weight-granularity", help="tensor, channel or block128 (fp8/int8 families)")
-    parser.add_argument("--activation-granularity", help="tensor, token or group128")
-    parser.add_argument("--platform", help="VENDOR[:ARCH], e.g. cuda:sm_90, rocm:gfx950, cpu:x86_64")
-    parser.add_argument("--packages", help="comma-separated kernel packages present, e.g. triton,aiter")
-    parser.add_argument("--detect", action="store_true", help="take the platform and vLLM's VLLM_* switches from this machine")
-    parser.add_argument("--tp", type=int, help="tensor-parallel size")
-    parser.add_argument("--dp", type=int, help="data-parallel size")
-    parser.add_argument("--ep", action="store_true", help="enable expert parallelism")
-    parser.add_argument("--all2all", help="all2all backend, e.g. torch_all2all, deepep_low_latency, mori")
-    parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
-    parser.add_argument("--backend", help="pin an experts backend (default auto)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--platform", metavar="VENDOR[:ARCH]",
+                       help="shorthand for --vendor/--arch, e.g. cuda:sm_90, rocm:gfx950, cpu:x86_64 "
+                            "(default: cuda:sm_90, said on stderr)")
+    where.add_argument("--detect", action="store_true",
+                       help="take the platform and vLLM's VLLM_* switches from this machine")
     _rules_arguments(parser)
+    parser.set_defaults(config_flags=add_config_flags(parser, _OWN_OPTIONS))
 
 
 def _rules_option(parser: argparse.ArgumentParser) -> None:
@@ -468,12 +507,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
         " Decide, explain and run the fused-MoE kernel backend for a layer."))
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"moerules {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, func, text in (("decide", cmd_decide, "print the decision as one line (or --json)"),
                              ("explain", cmd_explain, "winner, alternatives and every rejection with rule and file:line")):
-        sub = commands.add_parser(name, help=text, description=text)
+        sub = commands.add_parser(name, help=text, description=text, usage=_CONFIG_USAGE.format(name))
         _config_arguments(sub)
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
+        if name == "explain":
+            sub.add_argument("--all", action="store_true", help="every rejection of every component, dispatchers "
+                                                                "outside this layout included")
         sub.set_defaults(func=func)
     lint = commands.add_parser("lint", help="static checks of a rule set, then coverage over the matrix",
                                description="static checks of a rule set (printed first), then dispatch/plan "
@@ -542,6 +585,7 @@ def make_parser() -> argparse.ArgumentParser:
     conform.add_argument("--quiet", action="store_true", help="no progress line")
     conform.set_defaults(func=cmd_conformance)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
+                              usage=_CONFIG_USAGE.format("run"),
                               description="decide, build the layer with seeded weights, run one forward pass")
     _config_arguments(run)
     run.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=16,
@@ -551,6 +595,7 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-gib", type=positive_number, default=None,
                      help=f"largest weight footprint to generate, in GiB (default {DEFAULT_CPU_RUN_GIB:g} on a CPU; "
                           "a GPU's free memory)")
+    run.add_argument("--quiet", action="store_true", help="no progress line (it shows only on a terminal anyway)")
     run.set_defaults(func=cmd_run)
     for sub in commands.choices.values():  # `moerules decide x --debug` as well as `moerules --debug decide x`
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
@@ -558,8 +603,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = make_parser().parse_args(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except BrokenPipeError:  # `moerules --help | head`: the reader has all it wanted
+        return _quiet_broken_pipe()
     return run_guarded(lambda: args.func(args), prog="moerules", debug=args.debug)
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away: say nothing (not even at exit, when Python flushes stdout again)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return BROKEN_PIPE
 
 
 def run_guarded(action: Callable[[], int], *, prog: str, debug: bool) -> int:
@@ -571,12 +625,12 @@ def run_guarded(action: Callable[[], int], *, prog: str, debug: bool) -> int:
     """
     try:
         return action()
+    except BrokenPipeError:  # `moerules decide --json | head -1`: as quiet as any Unix filter
+        return _quiet_broken_pipe()
     except Exception as error:  # noqa: BLE001 - the boundary: every failure ends in one line and exit 2
         if debug:
             raise
         print(f"{prog}: {_one_line(error)}", file=sys.stderr)
-        if isinstance(error, BrokenPipeError):  # stdout's reader went away: say nothing more at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return INVALID
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

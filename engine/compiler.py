@@ -113,6 +113,12 @@ class CompiledRules:
         # Each reject firing's place in a decision's rejections, which are listed by (component, rule).
         rejects = sorted((f for rule in rules for f in rule.rejects), key=lambda f: (f.target, f.rule_id))
         self.reject_rank = {firing.name: rank for rank, firing in enumerate(rejects)}
+        # Each firing's place in a decision's trace: rule-file order, the order the rules apply
+        # (durable's own firing order within a phase is undocumented and differs run to run).
+        position = {rule.id: index for index, rule in enumerate(ruleset.rules())}
+        firings = sorted((f for rule in rules for f in rule.firings),
+                         key=lambda f: (position.get(f.rule_id, -1), f.name))
+        self.trace_rank = {firing.name: rank for rank, firing in enumerate(firings)}
 
     def durable_definition(self) -> str:
         """The ruleset JSON durable's create_ruleset takes (actions are read from the agenda, not run)."""

@@ -18,9 +18,10 @@ from moerules.decision import (Decision, ExpertPlacement, Outcome, Padding, Quan
                                ReasonCode, SelectedBy)
 from moerules.errors import BackendRejectedError, EngineError, RuleFileError, RuleSetError, UnknownBackendError
 from moerules.engine.compiler import CompiledRules, compile_rules
-from moerules.engine.evaluate import (Evaluation, PhaseRunner, Rejections, ShardMemo, effective_order, merged_plan,
+from moerules.engine.evaluate import (Evaluation, PhaseRunner, Rejections, ShardMemo, merged_plan, ranking,
                                       single)
 from moerules.engine.expr import suggest
+from moerules.engine.misses import decisive, nearest_miss
 from moerules.engine.loader import load_rules
 from moerules.engine.textfile import is_folder
 from moerules.engine.reference_runner import ReferenceRunner
@@ -66,7 +67,7 @@ class Engine:
         if cached is None:
             cached = self._evaluate(config)
             if cached.fallback_rule and not quiet:  # logged once per (rules, config): later hits come from the cache
-                log.warning("moerules: auto mode fell back to %s by rule %s", cached.backend, cached.fallback_rule)
+                log.warning("moerules: %s", fallback_message(cached, self.ruleset))
             with self._lock:
                 self._cache[key] = cached
                 if len(self._cache) > _CACHE_SIZE:
@@ -109,6 +110,7 @@ class Assembler:
         self.engine, self.config, self.phases = engine, config, phases
         self.ruleset = engine.ruleset
         self.requested = config.features.backend
+        self.ranking: list = []  # set once the priority is known; an earlier failure has none
 
     def run(self) -> Decision:
         self.evaluation = evaluation = self.phases.screen()
@@ -120,19 +122,17 @@ class Assembler:
                                      "expert parallelism never runs without a dispatcher", ReasonCode.no_dispatcher)
         dispatcher = dispatch_rule.item.use
         if dispatcher not in evaluation.eligible:
-            reasons = "; ".join(r.describe() for r in evaluation.rejections_of(dispatcher))
-            first = evaluation.rejections_of(dispatcher)[0].reason
+            rejections = evaluation.rejections_of(dispatcher)
+            reasons = "; ".join(r.describe() for r in rejections)
             return self._unsupported(evaluation, f"prepare/finalize {dispatcher} (chosen by {dispatch_rule.id}) "
-                                     f"is rejected: {reasons}", first)
-        order, _ = effective_order(evaluation.priority_rules)
+                                     f"is rejected: {reasons}", decisive(rejections).reason)
+        order, self.ranking = ranking(evaluation.priority_rules)
         eligible = [b for b in order if b in evaluation.eligible]
         # Eligible backends a platform list omits stay pinnable; lint reports the omission.
         eligible += sorted(b for b in evaluation.eligible if b in self.ruleset.backends and b not in order)
         winner, selected_by, fallback = self._choose(evaluation, order)
         if winner is None:
-            pinned = [r.reason for r in evaluation.rejections_of(self.requested)]
-            return self._unsupported(evaluation, self._no_backend_message(evaluation, eligible),
-                                     pinned[0] if pinned else None, dispatcher)
+            return self._no_backend(evaluation, order, eligible, dispatcher)
         return self._selected(evaluation, winner, dispatcher, selected_by, fallback,
                               [b for b in eligible if b != winner])
 
@@ -145,25 +145,25 @@ class Assembler:
         if not auto:
             return None, None, None
         winner = auto[0]
-        fallback = self._fallback_rule(evaluation, order[:order.index(winner)])
-        return winner, (SelectedBy.fallback if fallback else SelectedBy.auto), fallback
+        fallback = displaced(self.ruleset, evaluation.rejections_of, order[:order.index(winner)])
+        return winner, (SelectedBy.fallback if fallback else SelectedBy.auto), fallback and fallback[1].id
 
-    def _fallback_rule(self, evaluation: Evaluation, better: list[str]) -> Optional[str]:
-        """The rule that made auto mode give up a better-ranked backend, if only fallback rules did."""
-        for backend in better:
-            rules = [self.ruleset.rule(r.rule) for r in evaluation.rejections_of(backend)]
-            if rules and all(rule.item.fallback for rule in rules):
-                return rules[0].id
-        return None
-
-    def _no_backend_message(self, evaluation: Evaluation, eligible: list[str]) -> str:
+    def _no_backend(self, evaluation: Evaluation, order: list[str], eligible: list[str], dispatcher: str) -> Decision:
+        """Unsupported: a pinned backend that was rejected, or (auto) no eligible backend in the priority."""
+        candidates = [self.requested] if self.requested != "auto" else order or sorted(self.ruleset.backends)
+        packages = {name: [p.value for p in self.ruleset.backends[name].item.packages]
+                    for name in candidates if name in self.ruleset.backends}
+        miss = nearest_miss(evaluation.rejections, candidates, packages)
         if self.requested != "auto":
-            reasons = "; ".join(r.describe() for r in evaluation.rejections_of(self.requested))
-            alternatives = ", ".join(eligible) or "none"
-            return (f"requested backend {self.requested!r} is rejected: {reasons}. "
-                    f"Eligible alternatives: {alternatives}")
-        candidates = "; ".join(r.describe() for r in evaluation.rejections if r.backend in self.ruleset.backends)
-        return f"no backend supports this configuration. Candidates: {candidates}"
+            rejections = evaluation.rejections_of(self.requested)
+            reasons = "; ".join(r.describe() for r in rejections)
+            error = (f"requested backend {self.requested!r} is rejected: {reasons}. "
+                     f"Eligible alternatives: {', '.join(eligible) or 'none'}")
+            return self._unsupported(evaluation, error, decisive(rejections).reason, dispatcher, miss)
+        ranked = f"all {len(order)} backends of the platform priority are" if order else \
+            "no platform priority rule matches this config, and every backend is"
+        error = f"no backend supports this configuration: {ranked} rejected; nearest: {miss}"
+        return self._unsupported(evaluation, error, ReasonCode.no_eligible_backend, dispatcher, miss)
 
     def _selected(self, evaluation, winner, dispatcher, selected_by, fallback, alternatives) -> Decision:
         backend = self.ruleset.backends[winner].item
@@ -206,16 +206,35 @@ class Assembler:
         return Padding(hidden_pad=hidden_padded - hidden, intermediate_pad=inter_padded - inter,
                        hidden_padded=hidden_padded, intermediate_padded=inter_padded)
 
-    def _unsupported(self, evaluation: Evaluation, error: str, reason: Optional[ReasonCode] = None,
-                     dispatcher: Optional[str] = None) -> Decision:
+    def _unsupported(self, evaluation: Evaluation, error: str, reason: ReasonCode,
+                     dispatcher: Optional[str] = None, miss: Optional[str] = None) -> Decision:
         """No layer; `prepare_finalize` still names the dispatcher when only the experts failed."""
-        return Decision(outcome=Outcome.unsupported, error=error, failure_reason=reason,
+        return Decision(outcome=Outcome.unsupported, error=error, failure_reason=reason, nearest_miss=miss,
                         prepare_finalize=dispatcher, **self._common(evaluation))
 
     def _common(self, evaluation: Evaluation) -> dict:
         return dict(requested=self.requested, rejections=tuple(evaluation.rejections),
-                    rules_hash=self.ruleset.hash, engine=self.engine.name,
-                    trace=tuple(sorted(evaluation.fired)), config=self.config)
+                    rules_hash=self.ruleset.hash, engine=self.engine.name, ranking=tuple(self.ranking),
+                    trace=tuple(evaluation.fired), config=self.config)
+
+
+def displaced(ruleset: RuleSet, rejections_of, better) -> Optional[tuple]:
+    """(backend, rule): the better-ranked backend auto mode gave up and the fallback rule that took it,
+    if only fallback rules rejected it; else None."""
+    for backend in better:
+        rules = [ruleset.rule(r.rule) for r in rejections_of(backend)]
+        if rules and all(rule.item.fallback for rule in rules):
+            return backend, rules[0]
+    return None
+
+
+def fallback_message(decision: Decision, ruleset: RuleSet) -> str:
+    """The fallback warning: the winner, the displaced backend, the rule, where it is written, and why."""
+    backend, rule = displaced(ruleset, decision.rejections_of, decision.ranked_ahead()) or \
+        (None, ruleset.rule(decision.fallback_rule))
+    why = next((r.detail for r in decision.rejections_of(backend) if r.rule == rule.id), rule.item.message)
+    return (f"auto mode fell back to {decision.backend}: {backend or 'a better-ranked backend'} ranks higher but rule "
+            f"{rule.id} ({rule.source}) rejects it ({why})")
 
 
 def _config_key(config: MoEConfig) -> tuple:

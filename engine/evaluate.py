@@ -8,7 +8,7 @@ from operator import attrgetter, itemgetter
 from typing import Callable, Optional
 
 from moerules.config import MoEConfig
-from moerules.decision import Rejection
+from moerules.decision import RankStep, Rejection
 from moerules.errors import EngineError
 from moerules.engine.compiler import CFG, CompiledRule, CompiledRules, Firing
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER
@@ -91,8 +91,9 @@ class PhaseRunner:
                 memo.put(key, tuple(by_shard[shard]))
                 names += by_shard[shard]
         fired = [compiled.rules[name] for name in names]
-        for rule in fired:
-            self.evaluation.fired += rule.trace
+        # The trace keeps phase order (screen, then each plan stage), each phase in rule-file order.
+        self.evaluation.fired += sorted([name for rule in fired for name in rule.trace],
+                                        key=compiled.trace_rank.__getitem__)
         return fired
 
 
@@ -169,15 +170,30 @@ class Rejections:
 
 def effective_order(rules: list[Rule]) -> tuple[list[str], Optional[Rule]]:
     """The platform priority: the first matching base `order`, then demotions/promotions in file order."""
+    return ranking(rules)[0], next((rule for rule in rules if rule.item.action == "order"), None)
+
+
+def ranking(rules: list[Rule]) -> tuple[list[str], list[RankStep]]:
+    """The platform priority and the steps that built it: the base order, then each promote/demote
+    (in file order) that changed it. A step that moved nothing is not a step."""
     base = next((rule for rule in rules if rule.item.action == "order"), None)
     order = list(base.item.order) if base else []
+    steps = [_step(base, order, order)] if base else []
     for rule in rules:
         if rule.item.action == "order":
             continue
         moved = [name for name in rule.item.backends if name in order]
         rest = [name for name in order if name not in moved]
-        order = rest + moved if rule.item.action == "demote" else moved + rest
-    return order, base
+        before, order = order, rest + moved if rule.item.action == "demote" else moved + rest
+        if order != before:
+            steps.append(_step(rule, moved, order))
+    return order, steps
+
+
+def _step(rule: Rule, moved: list[str], order: list[str]) -> RankStep:
+    # Every field comes from a validated rule file, so skip re-validation (matrix ranks ~10^5 configs).
+    return RankStep.model_construct(rule=rule.id, source=rule.source, action=rule.item.action,
+                                    moved=tuple(moved), order=tuple(order), cite=rule.item.cite)
 
 
 def single(rules: list[Rule], what: str) -> Optional[Rule]:

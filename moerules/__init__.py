@@ -19,8 +19,8 @@ if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init_
 
 from moerules.config import MoEConfig  # noqa: E402
 from moerules.decision import Decision, ReasonCode  # noqa: E402
-from moerules.errors import (BackendRejectedError,  # noqa: E402 KernelUnavailableError, MoeRulesError, RuleFileError,
-                             RuleSetError, UnknownBackendError)
+from moerules.errors import (BackendRejectedError, KernelUnavailableError, MoeRulesError,  # noqa: E402
+                             RuleFileError, RuleSetError, UnknownBackendError)
 
 __version__ = "0.1.0"
 
@@ -31,16 +31,18 @@ def decide(config, rules=None, engine: str = "auto") -> Decision:
     return _decide(config, rules, engine)
 
 
-def explain(config, rules=None, engine: str = "auto", as_json: bool = False) -> str:
-    """The decision for `config` as a readable report (or stable JSON)."""
+def explain(config, rules=None, engine: str = "auto", as_json: bool = False, show_all: bool = False) -> str:
+    """The decision for `config` as a readable report (or stable JSON): the ranking, the plan and one
+    decisive rejection per component (`show_all`: every rejection, every dispatcher)."""
     from moerules.engine.explain import explain_text
-    from moerules.engine.decide import decide as _decide
+    from moerules.engine.decide import decide as _decide, engine_for
     from moerules.errors import BackendRejectedError as _Rejected
     try:
         decision = _decide(config, rules, engine)
     except _Rejected as error:
         decision = error.decision
-    return decision.to_json() if as_json else explain_text(decision)
+    dispatchers = engine_for(rules, engine).ruleset.dispatchers  # the engine decide just used
+    return decision.to_json() if as_json else explain_text(decision, dispatchers=dispatchers, show_all=show_all)
 
 
 def load_rules(path=None):

@@ -75,10 +75,12 @@ class ModelShape(_Record):
                                        description="Per-expert intermediate size before tensor-parallel sharding "
                                                    "(Hugging Face `moe_intermediate_size`; Mixtral's "
                                                    "`intermediate_size`).")
-    activation: Activation = Activation.silu
+    activation: Activation = Field(Activation.silu, description="Expert activation; gated ones compute act(gate) * "
+                                                                "up (swigluoai: gpt-oss's clamped SwiGLU).")
     has_bias: bool = Field(False, description="Experts carry w13/w2 biases (gpt-oss).")
-    in_dtype: Dtype = Dtype.bf16
-    routing: Routing = Routing.softmax_renormalize
+    in_dtype: Dtype = Field(Dtype.bf16, description="dtype of the layer's activations and unquantised weights.")
+    routing: Routing = Field(Routing.softmax_renormalize, description="How router logits become top-k expert ids "
+                                                                      "and weights.")
     router_logits_dtype: Dtype = Field(
         Dtype.bf16, description="dtype of the router logits the monolithic kernels read (default: in_dtype).")
     architecture: str = Field("unknown", pattern=r"^[a-z0-9_]{1,64}$",
@@ -209,7 +211,9 @@ class Parallel(_Record):
     tp: int = Field(1, ge=1, le=MAX_RANKS, description="Tensor-parallel size.")
     dp: int = Field(1, ge=1, le=MAX_RANKS, description="Data-parallel size.")
     expert_parallel: bool = Field(False, description="Shard experts over the tp*dp ranks instead of tensor-sharding them.")
-    all2all_backend: All2AllBackend = All2AllBackend.allgather_reducescatter
+    all2all_backend: All2AllBackend = Field(All2AllBackend.allgather_reducescatter,
+                                            description="Expert-parallel token exchange (used when "
+                                                        "expert_parallel and tp*dp > 1).")
     eplb: bool = Field(False, description="Expert-parallel load balancing (redundant experts).")
 
     @computed_field
@@ -284,7 +288,7 @@ _CUDA_ARCH = re.compile(rf"sm_[0-9]{{1,{MAX_CUDA_CC_DIGITS}}}")
 
 class Platform(_Record):
 
-    vendor: Vendor = Vendor.cuda
+    vendor: Vendor = Field(Vendor.cuda, description="GPU/CPU vendor the layer runs on.")
     arch: str = Field("sm_90", description="sm_90, sm_100, gfx942, gfx950, gfx1200, xe_hpc, x86_64, aarch64 ...")
     packages: frozenset[Package] = Field(frozenset({Package.triton}),
                                          description="Kernel packages importable on the platform.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -39,6 +39,7 @@ class ReasonCode(str, Enum):
     batch_invariance_unsupported = "batch_invariance_unsupported"
     not_in_priority = "not_in_priority"
     no_dispatcher = "no_dispatcher"
+    no_eligible_backend = "no_eligible_backend"  # auto mode: every backend of the platform priority was rejected
 
 
 class Outcome(str, Enum):
@@ -94,6 +95,22 @@ class Rejection(BaseModel):
         return f"{self.backend}: {self.reason.value} ({self.rule} at {self.source}): {self.detail}"
 
 
+class RankStep(BaseModel):
+    """One step of the platform priority that changed it: the base order, or a promote/demote that moved backends.
+
+    `order` is the whole priority after the step, so a reader (and `explain`) can replay the ranking.
+    """
+
+    model_config = _FROZEN
+
+    rule: str
+    source: SourceRef
+    action: Literal["order", "promote", "demote"]
+    moved: tuple[str, ...] = Field(description="The backends the step placed: the whole list for a base order.")
+    order: tuple[str, ...]
+    cite: Optional[str] = None
+
+
 class QuantPlacement(BaseModel):
     """Who quantises the activations, and what crosses the dispatcher."""
 
@@ -141,11 +158,16 @@ class Decision(BaseModel):
     fallback_rule: Optional[str] = None
     requested: str = "auto"
     alternatives: tuple[str, ...] = ()
+    # How the platform priority was built: the base order, then each promote/demote that moved something.
+    ranking: tuple[RankStep, ...] = ()
     rejections: tuple[Rejection, ...] = ()
     error: Optional[str] = None
     failure_reason: Optional[ReasonCode] = None
+    # An unsupported decision's closest candidate and what would make it eligible ("marlin: only package_missing - ...").
+    nearest_miss: Optional[str] = None
     rules_hash: str
     engine: str
+    # The rules that fired, phase by phase (screen, placement, quantization), each phase in rule-file order.
     trace: tuple[str, ...] = ()
     config: MoEConfig
 
@@ -160,9 +182,14 @@ class Decision(BaseModel):
                 raise ValueError(f"selected decision lacks {', '.join(missing)}")
             if (self.selected_by == SelectedBy.fallback) != (self.fallback_rule is not None):
                 raise ValueError("fallback_rule is set exactly when selected_by is 'fallback'")
-        elif self.backend is not None or not self.error:
-            raise ValueError("an unsupported decision names no backend and carries an error")
+        elif self.backend is not None or not self.error or self.failure_reason is None:
+            raise ValueError("an unsupported decision names no backend and carries an error and a failure_reason")
         return self
+
+    def ranked_ahead(self) -> tuple[str, ...]:
+        """The backends the final platform priority ranks above the winner (none without a winner in it)."""
+        order = self.ranking[-1].order if self.ranking else ()
+        return order[:order.index(self.backend)] if self.backend in order else ()
 
     def rejections_of(self, backend: str) -> tuple[Rejection, ...]:
         return tuple(r for r in self.rejections if r.backend == backend)

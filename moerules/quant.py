@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class QuantDtype(str, Enum):
@@ -125,11 +125,16 @@ class QuantConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    family: QuantFamily = QuantFamily.unquantized
-    checkpoint: Checkpoint = Checkpoint.native
-    weight_granularity: Optional[Granularity] = None
-    activation_granularity: Optional[Granularity] = None
-    activation_dynamic: bool = True
+    family: QuantFamily = Field(QuantFamily.unquantized, description="Quantisation scheme of the experts' weights "
+                                                                     "and activations.")
+    checkpoint: Checkpoint = Field(Checkpoint.native, description="Quantisation method that produced the "
+                                                                   "checkpoint (its vLLM loader decides the keys).")
+    weight_granularity: Optional[Granularity] = Field(None, description="Weight scale granularity (default: the "
+                                                                        "family's).")
+    activation_granularity: Optional[Granularity] = Field(None, description="Activation scale granularity "
+                                                                            "(default: the family's).")
+    activation_dynamic: bool = Field(True, description="Activation scales computed at run time (False: static, "
+                                                       "from the checkpoint).")
 
     @model_validator(mode="after")
     def _granularity_allowed(self) -> "QuantConfig":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from moerules.builder import BIASED_ROUTING, build, default_device
 from moerules.decision import Decision
@@ -13,18 +13,24 @@ from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS
 EXAMPLE_LORA_RANK = 8
 
 
+RUN_STAGES = 3  # the calls of `stage` below: a progress line counts them
+
+
 def run_example(decision: Decision, *, num_tokens: int = 16, seed: int = 0, device: Optional[str] = None,
-                max_gib: Optional[float] = None) -> dict:
+                max_gib: Optional[float] = None, stage: Callable[[str], None] = lambda name: None) -> dict:
     """Build the decision's layer on seeded random weights and run one forward pass against the reference.
 
-    Raises RequestError, before allocating anything, for a device that is not here or a layer whose
-    weights exceed `max_gib` (default: DEFAULT_CPU_RUN_GIB on a CPU, the free memory of a GPU).
+    `stage` is told each step as it starts (for a progress line). Raises RequestError, before allocating
+    anything, for a device that is not here or a layer whose weights exceed `max_gib` (default:
+    DEFAULT_CPU_RUN_GIB on a CPU, the free memory of a GPU).
     """
+    stage("importing torch and the kernels")
     from moerules.kernels import make_random_lora, make_random_weights
     from moerules.kernels.example import run_forward
     config = decision.config
     device = check_device(default_device(device))
     check_size(decision, num_tokens=num_tokens, device=device, max_gib=max_gib)
+    stage("generating seeded weights")
     weights = make_random_weights(num_experts=config.model.num_experts, hidden=config.model.hidden_size,
                                   intermediate=config.intermediate_per_partition, quant=config.quant,
                                   in_dtype=config.model.in_dtype, has_bias=config.model.has_bias, seed=seed,
@@ -35,6 +41,7 @@ def run_example(decision: Decision, *, num_tokens: int = 16, seed: int = 0, devi
                                         intermediate=config.intermediate_per_partition, rank=EXAMPLE_LORA_RANK,
                                         in_dtype=config.model.in_dtype, gated=config.model.activation.gated,
                                         seed=seed + 1, device=device)
+    stage("building the layer and running the forward pass")
     layer = build(decision, weights, device=device)
     return run_forward(layer, num_tokens=num_tokens, seed=seed, device=device, top_k=config.model.top_k)
 

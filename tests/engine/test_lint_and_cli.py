@@ -71,7 +71,7 @@ def test_cli_reads_config_files_and_reports_bad_ones(tmp_path, capsys):
     assert main(["explain", str(good)]) == 0
     out = capsys.readouterr().out
     assert "triton experts (auto)" in out
-    assert re.search(r"aiter +arch_unsupported +aiter.mxfp4_enabled +rules/33-mxfp4.yaml:\d+", out)
+    assert re.search(r"aiter +arch_unsupported +aiter.mxfp4_enabled\n +rules/33-mxfp4.yaml:\d+: ", out)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {num_experts: 8, top_k: 2, hidden_size: 64, moe_intermediate_size: 64, activation: sillu}\n")
     assert main(["decide", str(bad)]) == 2

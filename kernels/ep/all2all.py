@@ -7,27 +7,29 @@ sum over k) before the return trip. So a token whose experts share a rank costs 
 the wire each way instead of several; with k=8 over few ranks (DeepSeek-V3) that is most
 tokens. The owner then adds up at most R partial rows per token, in fp32.
 
-dispatch: per-destination counts (one small all-to-all, read on the host to size buffers),
-then the token rows, their packed top-k ids/weights, and per-token scales if they travel.
-combine: the partial rows go back along the inverse split and are summed into token order.
+The buffers have a fixed capacity (capacity.py): each rank sends every peer `rows_per_peer`
+rows, the unused ones zero with ids -1, so the splits are equal and never read on the host.
+dispatch: two all_to_all_single, the token rows and one int32 routing row per token (renumbered
+ids, fp32 router weights and per-token scales, bit-cast); combine: one all_to_all_single of the
+partial rows back into the sender's slots, gathered per token (pairs that overflowed a smaller
+capacity read a NaN row, never a silent zero).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..interfaces import PreparedInput
-from .comm import batch_shape
-from .exchange import ExchangePrepareFinalize, pack_topk, unpack_topk
+from .capacity import ExchangePlan
+from .exchange import ExchangePrepareFinalize
 
 
 @dataclass(frozen=True)
 class ExchangeHandle:
-    token_of_row: torch.Tensor   # [rows sent]: the local token each sent row came from (grouped by rank)
-    send_counts: list[int]
-    recv_counts: list[int]
+    slot: torch.Tensor        # int64 [T, R]: the send-buffer row of (token, rank); a zero row, or the NaN row
     num_tokens: int
 
 
@@ -37,34 +39,74 @@ class All2AllPrepareFinalize(ExchangePrepareFinalize):
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         x, comm = prepared.hidden_q, self.comm
         ids = prepared.topk_ids.long()
-        tables = self.routing_tables(x.device)
-        owner = tables.owner[ids]                                                 # [T, k]
-        goes = torch.zeros(ids.shape[0], comm.size, dtype=torch.bool, device=x.device)
-        goes.scatter_(1, owner, True)                                             # token t -> rank r
-        rank_of_row, token_of_row = goes.T.nonzero(as_tuple=True)                 # grouped by destination
-        send_counts = goes.sum(dim=0)
-        recv_counts = comm.exchange_counts(send_counts, shape=batch_shape(x, ids))
-        send = send_counts.tolist()
-
-        local = tables.local_index[ids[token_of_row]]
-        row_ids = torch.where(owner[token_of_row] == rank_of_row[:, None], local, -1)
-        topk = pack_topk(row_ids, prepared.topk_weights[token_of_row])
-        recv_x = comm.all_to_all(x[token_of_row], send_counts=send, recv_counts=recv_counts, what="tokens")
-        recv_ids, recv_weights = unpack_topk(comm.all_to_all(topk, send_counts=send, recv_counts=recv_counts,
-                                                             what="topk"))
-        a_scale = prepared.a_scale
-        scale = self.token_scale(a_scale)
+        plan = self.capacity.plan_for(comm, x, ids)
+        slot = self._slots(ids, plan)
+        rows = comm.size * plan.rows_per_peer
+        send = torch.zeros((rows + 2, x.shape[1]), dtype=x.dtype, device=x.device)
+        _put_rows(send, slot, x[:, None].expand(-1, comm.size, -1))
+        scale = self.token_scale(prepared.a_scale)
+        routing = self._routing_rows(ids, prepared.topk_weights, scale, slot, rows)
+        recv_x = comm.all_to_all_equal(send[:rows], what="tokens")
+        parts = {"topk": (torch.int32, (rows, 2 * ids.shape[1]))}
         if scale is not None:
-            a_scale = comm.all_to_all(scale[token_of_row], send_counts=send, recv_counts=recv_counts, what="scales")
-        return PreparedInput(hidden_q=recv_x, a_scale=a_scale, topk_ids=recv_ids, topk_weights=recv_weights,
-                             handle=ExchangeHandle(token_of_row, send, recv_counts, ids.shape[0]))
+            parts["scales"] = (torch.float32, (rows, *scale.shape[1:]))
+        recv_routing = comm.all_to_all_equal(routing, what="routing", parts=parts)
+        k = ids.shape[1]
+        a_scale = prepared.a_scale
+        if scale is not None:
+            a_scale = recv_routing[:, 2 * k:].contiguous().view(torch.float32).reshape(rows, *scale.shape[1:])
+        return PreparedInput(hidden_q=recv_x, a_scale=a_scale, topk_ids=recv_routing[:, :k].contiguous(),
+                             topk_weights=recv_routing[:, k:2 * k].contiguous().view(torch.float32),
+                             handle=ExchangeHandle(slot, ids.shape[0]))
+
+    def _slots(self, ids: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
+        """[T, R] send-buffer row of each (token, rank) pair: peer r's rows are r*C.., in token order; pairs that
+        are not sent point at the zero row R*C, pairs that overflow C at the NaN row R*C+1 (and are counted)."""
+        R, C = self.comm.size, plan.rows_per_peer
+        owner = self.routing_tables(ids.device).owner[ids]
+        goes = torch.zeros((ids.shape[0], R), dtype=torch.bool, device=ids.device).scatter_(1, owner, True)
+        pos = goes.cumsum(0) - 1
+        first_row = torch.arange(0, R * C, C, device=ids.device)
+        slot = torch.where(goes, first_row + pos, R * C)
+        if plan.may_overflow:
+            dropped = goes & (pos >= C)
+            self.capacity.count_dropped(dropped)
+            slot = torch.where(dropped, R * C + 1, slot)
+        return slot
+
+    def _routing_rows(self, ids: torch.Tensor, weights: torch.Tensor, scale: Optional[torch.Tensor],
+                      slot: torch.Tensor, rows: int) -> torch.Tensor:
+        """int32 [R*C, 2k (+ scale columns)]: per sent row, the ids renumbered to the receiver's experts (-1 for
+        slots it does not own), the router weights and the token's scales, bit-cast; unused rows: ids -1."""
+        R, k = self.comm.size, ids.shape[1]
+        tables = self.routing_tables(ids.device)
+        mine = tables.owner[ids][:, None, :] == torch.arange(R, device=ids.device)[None, :, None]
+        per_rank = [torch.where(mine, tables.local_index[ids][:, None, :], -1).to(torch.int32),
+                    weights.float().view(torch.int32)[:, None, :].expand(-1, R, -1)]
+        if scale is not None:
+            per_rank.append(scale.float().reshape(ids.shape[0], 1, -1).view(torch.int32).expand(-1, R, -1))
+        values = torch.cat(per_rank, dim=2)
+        out = torch.zeros((rows + 2, values.shape[2]), dtype=torch.int32, device=ids.device)
+        out[:, :k] = -1
+        out[slot] = values
+        return out[:rows]
 
     def combine(self, expert_out: torch.Tensor, *, prepared: PreparedInput) -> torch.Tensor:
         return self.return_partials(expert_out, prepared.handle)
 
     def return_partials(self, partial: torch.Tensor, handle: ExchangeHandle) -> torch.Tensor:
         """Partial rows (in received order) -> [T, H] sums per own token, in partial's dtype."""
-        back = self.comm.all_to_all(partial, send_counts=handle.recv_counts, recv_counts=handle.send_counts,
-                                    what="partial outputs")
-        out = torch.zeros(handle.num_tokens, partial.shape[1], dtype=torch.float32, device=partial.device)
-        return out.index_add_(0, handle.token_of_row, back.float()).to(partial.dtype)
+        rows = partial.shape[0]
+        back = torch.empty((rows + 2, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+        back[rows] = 0
+        back[rows + 1] = float("nan")
+        self.comm.all_to_all_equal(partial.contiguous(), what="partial outputs", out=back[:rows])
+        out = back[handle.slot].sum(dim=1, dtype=torch.float32).to(partial.dtype)
+        self.capacity.report(self.comm)
+        return out
+
+
+def _put_rows(buffer: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer[slot] = values, FP8 as bytes (index_put has no FP8 kernels on every device)."""
+    as_bytes = buffer.dtype.itemsize == 1 and buffer.dtype != torch.uint8
+    (buffer.view(torch.uint8) if as_bytes else buffer)[slot] = values.view(torch.uint8) if as_bytes else values

@@ -92,7 +92,7 @@ class Comm:
         self.trace: Optional[list[WireRecord]] = None
         self._failure: Optional[str] = None
         self._host_waits = dist.get_backend(self.group) != "nccl"
-        self._unfinished: deque = deque()      # NCCL: (work, op, what, issued at) not yet seen complete
+        self._watchdog = Watchdog(self.timeout_s)     # NCCL collectives not yet seen complete
 
     # -- collectives ------------------------------------------------------------------------
     def exchange_counts(self, send_counts: torch.Tensor, *, shape: dict[str, int]) -> list[int]:
@@ -182,7 +182,9 @@ class Comm:
             raise CollectiveError(f"rank {self.rank}/{self.size}: {op} ({what}) refused: an earlier collective of "
                                   f"this group failed ({self._failure}); the group's state is unknown, re-create "
                                   "the process group (restart the ranks)")
-        self.check()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self.check()
         began = time.monotonic()
         try:
             work = start()
@@ -190,29 +192,16 @@ class Comm:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             else:
                 work.wait()                     # the current stream waits; the host does not
-                if not torch.cuda.is_current_stream_capturing():
-                    self._unfinished.append((work, op, what, began))
+                if not capturing:
+                    self._watchdog.watch(work, op, what, began)
         except (RuntimeError, dist.DistError) as error:
             self._fail(op, what, began, error)
 
     def check(self) -> None:
         """Raise CollectiveError for the oldest NCCL collective that failed or is past the timeout (no host wait)."""
-        while self._unfinished:
-            work, op, what, began = self._unfinished[0]
-            try:
-                done = work.is_completed()
-                failure = work.exception() if done else None
-            except (RuntimeError, dist.DistError) as error:
-                done, failure = True, error
-            if failure is not None:
-                self._unfinished.clear()
-                self._fail(op, what, began, failure)
-            if not done:
-                if time.monotonic() - began > self.timeout_s:
-                    self._unfinished.clear()
-                    self._fail(op, what, began, TimeoutError("not complete within the collective timeout"))
-                return
-            self._unfinished.popleft()
+        failed = self._watchdog.oldest_failure()
+        if failed is not None:
+            self._fail(*failed)
 
     def _fail(self, op: str, what: str, began: float, error: BaseException):
         cause = " ".join(str(error).split())[:300]
@@ -227,6 +216,37 @@ class Comm:
     def _record(self, op: str, what: str, x: torch.Tensor, bytes_out: int) -> None:
         if self.trace is not None:
             self.trace.append(WireRecord(op, what, x.dtype, tuple(x.shape), bytes_out))
+
+
+class Watchdog:
+    """The collectives a rank issued without waiting, oldest first; polled without blocking."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._unfinished: deque = deque()      # (work, op, what, issued at)
+
+    def watch(self, work, op: str, what: str, began: float) -> None:
+        self._unfinished.append((work, op, what, began))
+
+    def oldest_failure(self) -> Optional[tuple[str, str, float, BaseException]]:
+        """(op, what, issued at, error) of the oldest collective that failed or outlived the timeout, else None;
+        collectives seen complete are forgotten. After a failure nothing is watched any more."""
+        while self._unfinished:
+            work, op, what, began = self._unfinished[0]
+            try:
+                done = work.is_completed()
+                failure = work.exception() if done and hasattr(work, "exception") else None
+            except (RuntimeError, dist.DistError) as error:
+                failure = error
+            if failure is None and not done and time.monotonic() - began > self.timeout_s:
+                failure = TimeoutError("not complete within the collective timeout")
+            if failure is not None:
+                self._unfinished.clear()
+                return op, what, began, failure
+            if not done:
+                return None
+            self._unfinished.popleft()
+        return None
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.uint8, torch.float64)

@@ -233,11 +233,13 @@ class Watchdog:
         collectives seen complete are forgotten. After a failure nothing is watched any more."""
         while self._unfinished:
             work, op, what, began = self._unfinished[0]
+            failure = None
             try:
                 done = work.is_completed()
-                failure = work.exception() if done and hasattr(work, "exception") else None
+                if done:
+                    work.wait()        # complete: returns at once, or raises the collective's error
             except (RuntimeError, dist.DistError) as error:
-                failure = error
+                done, failure = True, error
             if failure is None and not done and time.monotonic() - began > self.timeout_s:
                 failure = TimeoutError("not complete within the collective timeout")
             if failure is not None:

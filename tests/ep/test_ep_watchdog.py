@@ -15,8 +15,9 @@ class FakeWork:
     def is_completed(self) -> bool:
         return self.done
 
-    def exception(self):
-        return self.error
+    def wait(self):
+        if self.error is not None:
+            raise self.error
 
 
 def test_completed_collectives_are_forgotten_and_a_running_one_within_the_timeout_is_fine():

@@ -87,9 +87,10 @@ class Capacity:
         return ExchangePlan(tokens_per_rank=tokens, rows_per_peer=rows, top_k=topk_ids.shape[1])
 
     # -- overflow reporting -----------------------------------------------------------------
-    def count_dropped(self, dropped: torch.Tensor) -> None:
-        """Add this batch's dropped (token, rank) pairs to the device counter (no host read)."""
-        self._overflowed.add_(dropped.sum().to(torch.int32))
+    @property
+    def counter(self) -> torch.Tensor:
+        """int32 [1] on the device: (token, rank) pairs dropped since the last report; the packers add to it."""
+        return self._overflowed
 
     def report(self, comm: Comm) -> None:
         """Raise CapacityError for overflows seen so far without waiting on the GPU: CPU counts are read at once,

@@ -10,7 +10,7 @@ A peer that raised, died or never reached the same collective makes this rank fa
   that never completes (the GPU stream and any host sync behind it are released), and this
   Comm keeps the unfinished collectives it issued and, at each later collective, raises the
   error for the oldest one that is past the timeout or failed (`check()` does so on demand).
-  Collectives issued while a CUDA graph is captured are left to NCCL's watchdog alone.
+  Collectives replayed from a CUDA graph are bounded by neither (no watchdog sees a replay).
 After one failure the group is in an unknown state, so every later call fails at once.
 
 The wire carries FP8 as raw bytes (gloo has no float8 type; NCCL treats bytes the same), and

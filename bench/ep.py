@@ -45,7 +45,6 @@ import torch.multiprocessing as mp
 from moerules.activation import Activation, Dtype
 from moerules.kernels import build_layer, make_random_weights
 from moerules.kernels.ep import Comm, Placement, init_distributed, shard_weights
-from moerules.kernels.ep.comm import _wire
 from moerules.kernels.registry import prepare_finalize_class
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, quant_for_cell
@@ -161,7 +160,7 @@ def _time_exchange(args, pf, comm: Comm, x, ids, weights) -> dict:
 
     def raw():
         for send, recv in zip(buffers, outs):
-            dist.all_to_all_single(_wire(recv), _wire(send))
+            dist.all_to_all_single(_as_bytes(recv), _as_bytes(send))
 
     buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
     times = {(name, graph): _timed(fn, args.iters, graph) for name, fn in (("ours", ours), ("nccl", raw))
@@ -169,6 +168,11 @@ def _time_exchange(args, pf, comm: Comm, x, ids, weights) -> dict:
     return {"buffer_MB": buffer_bytes / 1e6, "out_MB": buffer_bytes * (comm.size - 1) / comm.size / 1e6,
             "fill": fill, "ours_eager_us": times[("ours", False)], "ours_graph_us": times[("ours", True)],
             "nccl_eager_us": times[("nccl", False)], "nccl_graph_us": times[("nccl", True)]}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 crosses as bytes, as Comm sends it."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def pf_routing_like(prepared, rows: int) -> torch.Tensor:

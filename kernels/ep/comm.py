@@ -140,11 +140,11 @@ class Comm:
                                          f"({detail}); build every rank from the same decision, placement and global "
                                          "weights (same seed or checkpoint), each with its own shard")
 
-    def all_to_all_equal(self, x: torch.Tensor, *, what: str, out: Optional[torch.Tensor] = None,
+    def all_to_all_equal(self, x: torch.Tensor, *, what: str,
                          parts: Optional[dict[str, tuple[torch.dtype, tuple[int, ...]]]] = None) -> torch.Tensor:
         """[size * C, ...] rows, block r for rank r -> [size * C, ...], block r from rank r (equal splits: no
         sizes cross). `parts` names what a packed row carries (name -> dtype, shape), for the trace."""
-        out = torch.empty_like(x) if out is None else out
+        out = torch.empty_like(x)
         if self.trace is not None:
             for name, (dtype, shape) in (parts or {what: (x.dtype, tuple(x.shape))}).items():
                 row = (torch.Size(shape[1:]).numel() * dtype.itemsize) if len(shape) > 1 else dtype.itemsize

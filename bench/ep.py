@@ -1,6 +1,6 @@
-"""Expert-parallel evidence on 2 GPUs: EP output == one GPU's, and the cost of dispatch + combine.
+"""Expert-parallel evidence: EP output == one GPU's, and the cost of dispatch + combine beside NCCL's own.
 
-    python bench/ep.py --out DIR              # 2 ranks over NCCL on GPUs 0 and 1 (spawned here)
+    python bench/ep.py --out DIR              # --ranks NCCL ranks (default 2) on GPUs 0..N-1, spawned here
     python bench/ep.py --smoke --out DIR      # 2 gloo ranks on the CPU, tiny shapes, same code paths
 
 correctness: for Mixtral-shaped (H=4096, E=8, k=2) and DeepSeek-V3-shaped (H=7168, E=256, k=8)
@@ -10,13 +10,19 @@ correctness: for Mixtral-shaped (H=4096, E=8, k=2) and DeepSeek-V3-shaped (H=716
     the experts, i.e. bf16 on the wire), every rank runs its shard of the layer on its own tokens
     with the decided GPU experts (triton.fused_moe); rank 0 runs all tokens on one GPU with the
     global weights and reports the relative (Frobenius) error per rank.
-timing: dispatch + combine alone (prepare, including FP8 quantisation, and finalize around a
-    stand-in expert output of the right shape: the experts are not timed) at M tokens per rank,
-    M in {64, 1024, 8192}. Each point: warm-up, then the median of --iters timed calls, CUDA
-    synchronised before and after (the exchanges sync on their split sizes anyway), the slowest
-    rank's median reported. bytes = what this rank sends to the other rank (tokens, scales, top-k
-    metadata, partial outputs: the Comm trace, own rows excluded); GB/s = bytes / time.
-Writes ep_correctness.csv, ep_timing.csv and ep.md to --out.
+exchange: all2all dispatch + combine alone (prepare, including FP8 quantisation, and finalize around
+    a preallocated stand-in expert output: the experts are not timed) at M tokens per rank, capacity
+    reserved for M, eager and replayed from a CUDA graph; beside it, in the same process, NCCL's raw
+    all_to_all_single moving the same buffers (tokens, routing rows, partial outputs: equal splits,
+    preallocated), eager and graphed: the ceiling of this design. Each point: warm-up, then the median
+    of --iters calls timed with CUDA events back to back (no host sync between calls, so an eager
+    time is whatever the slower of host and GPU allows), the slowest rank's median reported.
+    buffer_MB = bytes this rank hands to the three collectives (its own rows included: with one
+    rank they are all it moves); out_MB = the part bound for other ranks; fill = rows that carry a
+    token / rows sent; nccl_over_ours = NCCL's time / ours (1.0: the link's speed).
+layer: the whole EP layer (all2all + triton.fused_moe on this rank's experts) against the same layer
+    on one GPU (all experts, `local`) on the same M tokens per rank, eager and graphed.
+Writes ep_correctness.csv, ep_exchange.csv, ep_layer.csv and ep.md to --out.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -57,8 +64,10 @@ SMOKE_MODELS = {"mixtral-tiny": Shape(256, 8, 2, 128), "deepseek-tiny": Shape(25
 MODES = {"unquantized": ("unquantized", True), "fp8_token": ("fp8_w8a8/channel/token", True),
          "fp8_1x128": ("fp8_w8a8/block128/group128", True), "fp8_token_deferred": ("fp8_w8a8/channel/token", False)}
 TIMED_MODES = ["unquantized", "fp8_token", "fp8_1x128"]
+LAYER_MODES = ["unquantized", "fp8_token"]
 DISPATCHERS = ["all2all", "allgather_reducescatter"]
-M_LIST = [64, 1024, 8192]
+M_LIST = [1, 4, 16, 64, 256, 1024, 4096, 8192]
+LAYER_M_LIST = [1, 64, 1024, 8192]
 # EP vs one GPU: bf16 partial outputs are rounded before they are summed (~2^-8 per element);
 # FP8 adds nothing (per-row scales are identical on both sides).
 TOLERANCE = 2e-2
@@ -112,58 +121,150 @@ def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return ((out.double() - want).norm() / want.norm()).item()
 
 
-def timing(args, rank: int, world: int, device, in_dtype: Dtype) -> list[dict]:
+def exchange_timing(args, rank: int, world: int, device, in_dtype: Dtype) -> list[dict]:
     comm = Comm(dist.group.WORLD, timeout_s=120)
     rows = []
     for model, shape in args.models.items():
         for mode in TIMED_MODES:
-            cell, _ = MODES[mode]
-            scheme = Scheme.from_quant(quant_for_cell(cell))
-            for pf_id in DISPATCHERS:
-                pf = prepare_finalize_class(pf_id)(scheme=scheme, comm=comm,
-                                                   placement=Placement.contiguous(shape.E, world))
-                for M in args.ms:
-                    x, ids, weights = rank_tokens(shape, M, rank, TORCH_DTYPE[in_dtype], device)
-                    ms, sent = _time_exchange(pf, comm, x, ids, weights, args.iters, device)
-                    medians = [None] * world
-                    dist.all_gather_object(medians, (ms, sent))
-                    if rank == 0:
-                        slowest = max(m for m, _ in medians)
-                        row = {"model": model, "H": shape.H, "E": shape.E, "k": shape.k, "M_per_rank": M,
-                               "dispatcher": pf_id, "mode": mode, "in_dtype": in_dtype.value, "ms": round(slowest, 4),
-                               "MB_out_per_rank": round(max(s for _, s in medians) / 1e6, 3),
-                               "GB_per_s": round(max(s for _, s in medians) / (slowest * 1e-3) / 1e9, 2)}
-                        rows.append(row)
-                        print(f"timing {row}", flush=True)
+            scheme = Scheme.from_quant(quant_for_cell(MODES[mode][0]))
+            for M in args.ms:
+                pf = prepare_finalize_class("all2all")(scheme=scheme, comm=comm,
+                                                      placement=Placement.contiguous(shape.E, world))
+                pf.set_capacity(tokens_per_rank=M)
+                x, ids, weights = rank_tokens(shape, M, rank, TORCH_DTYPE[in_dtype], device)
+                point = _time_exchange(args, pf, comm, x, ids, weights)
+                row = _slowest({"model": model, "H": shape.H, "E": shape.E, "k": shape.k, "ranks": world,
+                                "M_per_rank": M, "mode": mode}, point)
+                if rank == 0:
+                    rows.append(row)
+                    print(f"exchange {row}", flush=True)
     return rows
 
 
-def _time_exchange(pf, comm: Comm, x, ids, weights, iters: int, device) -> tuple[float, int]:
-    """Median ms of prepare + finalize (a zero expert output in between) and the bytes sent per call."""
-    def once():
-        prepared = pf.prepare(x, topk_ids=ids, topk_weights=weights, defer_input_quant=False, a13_scale=None)
-        expert_out = torch.zeros(prepared.hidden_q.shape[0], x.shape[1], dtype=x.dtype, device=device)
-        return pf.finalize(expert_out, prepared=prepared, hidden_size=x.shape[1])
+def _time_exchange(args, pf, comm: Comm, x, ids, weights) -> dict:
+    """Our dispatch + combine and NCCL's raw all_to_all_single of the same buffers, eager and graphed (µs)."""
+    stand_in = []
 
+    def ours():
+        prepared = pf.prepare(x, topk_ids=ids, topk_weights=weights, defer_input_quant=False, a13_scale=None)
+        if not stand_in:
+            stand_in.append(torch.zeros(prepared.hidden_q.shape[0], x.shape[1], dtype=x.dtype, device=x.device))
+        return pf.finalize(stand_in[0], prepared=prepared, hidden_size=x.shape[1])
+
+    prepared = pf.prepare(x, topk_ids=ids, topk_weights=weights, defer_input_quant=False, a13_scale=None)
+    rows = prepared.hidden_q.shape[0]
+    fill = int((prepared.topk_ids >= 0).any(dim=1).sum()) / rows
+    buffers = [prepared.hidden_q, pf_routing_like(prepared, rows), torch.zeros(rows, x.shape[1], dtype=x.dtype,
+                                                                                  device=x.device)]
+    outs = [torch.empty_like(b) for b in buffers]
+
+    def raw():
+        for send, recv in zip(buffers, outs):
+            dist.all_to_all_single(_as_bytes(recv), _as_bytes(send))
+
+    buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    times = {(name, graph): _timed(fn, args.iters, graph) for name, fn in (("ours", ours), ("nccl", raw))
+             for graph in (False, True)}
+    return {"buffer_MB": buffer_bytes / 1e6, "out_MB": buffer_bytes * (comm.size - 1) / comm.size / 1e6,
+            "fill": fill, "ours_eager_us": times[("ours", False)], "ours_graph_us": times[("ours", True)],
+            "nccl_eager_us": times[("nccl", False)], "nccl_graph_us": times[("nccl", True)]}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 crosses as bytes, as Comm sends it."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def pf_routing_like(prepared, rows: int) -> torch.Tensor:
+    """An int32 buffer the size of the routing rows all2all sends: ids and weights (2k), plus the scales."""
+    k = prepared.topk_ids.shape[1]
+    scale = prepared.a_scale
+    scale_cols = 0 if scale is None or scale.numel() == 1 else scale[0].numel()
+    return torch.zeros(rows, 2 * k + scale_cols, dtype=torch.int32, device=prepared.topk_ids.device)
+
+
+def layer_timing(args, rank: int, world: int, device, in_dtype: Dtype) -> list[dict]:
+    rows = []
+    for model, shape in args.models.items():
+        for mode in LAYER_MODES:
+            cell, by_dispatcher = MODES[mode]
+            common = dict(kernel_id=args.kernel, quant=quant_for_cell(cell), activation=Activation.silu,
+                          in_dtype=in_dtype, activation_format="standard", device=device,
+                          defer_input_quant=not by_dispatcher)
+            global_weights = global_layer_weights(shape, cell, in_dtype, device)
+            placement = Placement.contiguous(shape.E, world)
+            single = build_layer(prepare_finalize_id="local", weights=global_weights, **common)
+            for M in args.layer_ms:
+                x, ids, weights = rank_tokens(shape, M, rank, TORCH_DTYPE[in_dtype], device)
+                ep = build_layer(prepare_finalize_id="all2all", weights=shard_weights(global_weights, placement, rank),
+                                 group=dist.group.WORLD, placement=placement, **common)
+                ep.prepare_finalize.set_capacity(tokens_per_rank=M)     # buffers sized for this batch
+                point = {f"{name}_{'graph' if graph else 'eager'}_us":
+                         _timed(lambda layer=layer: layer(x, topk_ids=ids, topk_weights=weights), args.iters, graph)
+                         for name, layer in (("ep", ep), ("one_gpu", single)) for graph in (False, True)}
+                row = _slowest({"model": model, "ranks": world, "M_per_rank": M, "mode": mode}, point)
+                if rank == 0:
+                    rows.append(row)
+                    print(f"layer {row}", flush=True)
+                del ep
+            del single, global_weights
+    return rows
+
+
+def _timed(fn, iters: int, graph: bool) -> Optional[float]:
+    """Median µs of `fn` (or of replaying its CUDA graph), CUDA events around each call, no host sync between.
+    On the CPU (--smoke): wall-clock per call, and no graphs (None)."""
+    dist.barrier()
+    if not torch.cuda.is_available():
+        return None if graph else _wall_clock_us(fn, iters)
+    torch.cuda.synchronize()
+    if graph:
+        fn = _graph_of(fn)
     for _ in range(3):
-        once()
-    comm.trace = []
-    once()
-    sent = sum(r.bytes_out for r in comm.trace)
-    comm.trace = None
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
+
+
+def _wall_clock_us(fn, iters: int) -> float:
+    fn()
     times = []
     for _ in range(iters):
-        _sync(device)
         start = time.perf_counter()
-        once()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), sent
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _graph_of(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _slowest(key: dict, point: dict) -> dict:
+    """key + every rank's point, times as the slowest rank's (all ranks call this together)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, point)
+    row = dict(key)
+    for name in point:
+        value = max(p[name] for p in every) if name.endswith("_us") and point[name] is not None else point[name]
+        row[name] = None if value is None else round(value, 3)
+    for how in ("eager", "graph"):
+        if row.get(f"ours_{how}_us"):
+            row[f"nccl_over_ours_{how}"] = round(row[f"nccl_{how}_us"] / row[f"ours_{how}_us"], 3)
+    return row
 
 
 def rank_main(rank: int, world: int, args, port: int) -> None:
@@ -174,21 +275,22 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         torch.set_num_threads(1)
     init_distributed(backend="gloo" if args.smoke else "nccl", timeout_s=args.timeout,
                      init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    kernel = "torch.reference" if args.smoke else "triton.fused_moe"
     in_dtype = Dtype.fp32 if args.smoke else Dtype.bf16
-    checked = correctness(args, rank, world, device, kernel, in_dtype) if args.phase in ("all", "correctness") else []
-    timed = timing(args, rank, world, device, in_dtype) if args.phase in ("all", "timing") else []
+    phases = {"correctness": lambda: correctness(args, rank, world, device, args.kernel, in_dtype),
+              "exchange": lambda: exchange_timing(args, rank, world, device, in_dtype),
+              "layer": lambda: layer_timing(args, rank, world, device, in_dtype)}
+    results = {name: run() if args.phase in ("all", name) else [] for name, run in phases.items()}
     if rank == 0:
-        write(args, checked, timed, device)
+        write(args, results, device)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def write(args, checked: list[dict], timed: list[dict], device) -> None:
+def write(args, results: dict[str, list[dict]], device) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# EP dispatch/combine on {world_desc(args, device)}", ""]
-    for name, rows in (("ep_correctness", checked), ("ep_timing", timed)):
+    for name, rows in ((f"ep_{phase}", rows) for phase, rows in results.items()):
         if not rows:
             continue
         with open(out / f"{name}.csv", "w", newline="") as f:
@@ -210,17 +312,20 @@ def world_desc(args, device) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/ep"))
-    p.add_argument("--phase", default="all", choices=["all", "correctness", "timing"])
+    p.add_argument("--phase", default="all", choices=["all", "correctness", "exchange", "layer"])
     p.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU with tiny shapes")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--ms", nargs="+", type=int, default=None, help=f"tokens per rank (default {M_LIST})")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 20; smoke 3)")
+    p.add_argument("--ms", nargs="+", type=int, default=None, help=f"exchange phase (default {M_LIST})")
+    p.add_argument("--layer-ms", nargs="+", type=int, default=None, help=f"layer phase (default {LAYER_M_LIST})")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 50; smoke 3)")
     p.add_argument("--check-tokens", type=int, default=None, help="tokens per rank in the correctness phase")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     args = p.parse_args(argv)
     args.models = SMOKE_MODELS if args.smoke else MODELS
     args.ms = args.ms or ([4, 32] if args.smoke else M_LIST)
-    args.iters = args.iters or (3 if args.smoke else 20)
+    args.layer_ms = args.layer_ms or ([4] if args.smoke else LAYER_M_LIST)
+    args.iters = args.iters or (3 if args.smoke else 50)
+    args.kernel = "torch.reference" if args.smoke else "triton.fused_moe"
     args.check_tokens = args.check_tokens or (16 if args.smoke else 256)
     if not args.smoke and torch.cuda.device_count() < args.ranks:
         print(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}; use --smoke on a CPU", file=sys.stderr)

@@ -47,6 +47,9 @@ GUARANTEES = [
               "of another top_k, width or dtype (the same error on every rank, before the exchange)"),
     Guarantee("moerules.kernels.MoELayer.forward", "CollectiveError", "a peer rank failed, exited or missed a "
               "collective: within the collective timeout, never a hang"),
+    Guarantee("moerules.kernels.MoELayer.forward", "CapacityError", "an expert-parallel batch larger than the "
+              "exchange capacity agreed at the first forward (before any collective), or (token, rank) pairs past a "
+              "reserved rows_per_peer (their tokens' outputs are NaN): never a silent drop"),
     Guarantee("moerules.kernels.ep.shard_weights", "PlacementError", "experts or the intermediate size do not "
               "split evenly over the ranks, or the weights were already padded"),
     Guarantee("moerules.kernels.ep.init_distributed", "CollectiveError", "the process group does not form within "

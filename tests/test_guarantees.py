@@ -82,6 +82,8 @@ TRIGGERS = {
         "tests/ep/test_ep_consistency.py::test_inconsistent_ranks_all_end_in_the_same_typed_error",
     ("moerules.kernels.MoELayer.forward", "CollectiveError"):
         "tests/ep/test_ep_faults.py::test_a_rank_that_raises_makes_the_other_fail_within_the_timeout",
+    ("moerules.kernels.MoELayer.forward", "CapacityError"):
+        "tests/ep/test_ep_capacity.py::test_rows_per_peer_overflow_is_an_error_and_nan_never_a_silent_drop",
     ("moerules.kernels.ep.shard_weights", "PlacementError"):
         lambda: shard_weights(weights(E=6), Placement.contiguous(6, 4), 0),
     ("moerules.kernels.ep.init_distributed", "CollectiveError"):

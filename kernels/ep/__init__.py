@@ -5,9 +5,10 @@ registry entries built by `build_layer(..., group=, placement=)`; they are not i
 so that `prepare_finalize` (which they extend) can import the placement helpers.
 """
 
+from .capacity import CapacityError
 from .comm import TIMEOUT_ENV, CollectiveError, Comm, WireRecord, init_distributed, resolve_timeout
 from .placement import Placement, PlacementError, PlacementKind, required_expert_placement
 from .sharding import shard_weights
 
-__all__ = ["CollectiveError", "Comm", "Placement", "PlacementError", "PlacementKind", "TIMEOUT_ENV", "WireRecord",
-           "init_distributed", "required_expert_placement", "resolve_timeout", "shard_weights"]
+__all__ = ["CapacityError", "CollectiveError", "Comm", "Placement", "PlacementError", "PlacementKind", "TIMEOUT_ENV",
+           "WireRecord", "init_distributed", "required_expert_placement", "resolve_timeout", "shard_weights"]

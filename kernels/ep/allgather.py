@@ -1,7 +1,9 @@
 """`allgather_reducescatter`: every rank computes its experts over the tokens of all ranks.
 
-dispatch: all-gather the token counts, then the tokens (padded to the largest count, so one
-all-gather of equal blocks suffices), their top-k ids and weights, and their per-token scales.
+dispatch: all-gather the tokens, padded to the capacity the ranks agreed at their first forward
+(capacity.py: the largest token count of any rank, or `set_capacity`), so every forward is one
+all-gather of equal blocks with no sizes read on the host; then their top-k ids and weights, and
+their per-token scales.
 Padding rows carry id -1 and contribute nothing. Each rank renumbers the ids to its own
 experts (-1 elsewhere) and runs its experts over the whole gathered batch.
 combine: reduce-scatter the partial outputs in the same padded layout, so each rank gets the
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from ..interfaces import PreparedInput
-from .comm import batch_shape
 from .exchange import ExchangePrepareFinalize, pack_topk, unpack_topk
 from .placement import map_to_local
 
@@ -33,7 +34,7 @@ class AllGatherReduceScatter(ExchangePrepareFinalize):
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         x, comm = prepared.hidden_q, self.comm
         num_tokens = x.shape[0]
-        cap = max(comm.gather_counts(num_tokens, x.device, shape=batch_shape(x, prepared.topk_ids)))
+        cap = self.capacity.plan_for(comm, x, prepared.topk_ids).tokens_per_rank
         ids = torch.full((cap, prepared.topk_ids.shape[1]), -1, dtype=torch.int32, device=x.device)
         ids[:num_tokens] = prepared.topk_ids
         weights = torch.zeros(ids.shape, dtype=torch.float32, device=x.device)

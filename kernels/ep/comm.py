@@ -1,15 +1,21 @@
 """`Comm`: the collectives of expert parallelism over a torch.distributed group, each one bounded.
 
-Every collective is issued asynchronously and waited on with a timeout, so a peer that
-raised, died or never reached the same collective makes this rank fail with a
-`CollectiveError` (this rank, the collective, the timeout, the fix) instead of hanging.
-gloo honours the wait timeout directly; on NCCL a timed wait blocks the host until the
-collective completes or the timeout passes (torch's `Work.wait(timeout)` contract), which
-costs a host sync per collective; the token exchanges sync on their split sizes anyway.
+A peer that raised, died or never reached the same collective makes this rank fail with a
+`CollectiveError` (this rank, the collective, the timeout, the fix) instead of hanging:
+- gloo (CPU) blocks the host in every collective anyway, so each one is waited on with the
+  collective timeout;
+- NCCL collectives are never waited on by the host (that cost a host sync per collective): the
+  compute stream waits on them, and one watchdog bounds them all. `init_distributed` sets the
+  group timeout just above the collective timeout, so NCCL's own watchdog aborts a collective
+  that never completes (the GPU stream and any host sync behind it are released), and this
+  Comm keeps the unfinished collectives it issued and, at each later collective, raises the
+  error for the oldest one that is past the timeout or failed (`check()` does so on demand).
+  Collectives replayed from a CUDA graph are bounded by neither (no watchdog sees a replay).
 After one failure the group is in an unknown state, so every later call fails at once.
 
 The wire carries FP8 as raw bytes (gloo has no float8 type; NCCL treats bytes the same), and
-`trace`, when set to a list, records what each collective moved (tests, benchmarks).
+`trace`, when set to a list, records what each collective moved (tests, benchmarks); a packed
+collective records one entry per part it carries.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
@@ -84,6 +91,8 @@ class Comm:
         self.timeout_s = resolve_timeout(timeout_s)
         self.trace: Optional[list[WireRecord]] = None
         self._failure: Optional[str] = None
+        self._host_waits = dist.get_backend(self.group) != "nccl"
+        self._watchdog = Watchdog(self.timeout_s)     # NCCL collectives not yet seen complete
 
     # -- collectives ------------------------------------------------------------------------
     def exchange_counts(self, send_counts: torch.Tensor, *, shape: dict[str, int]) -> list[int]:
@@ -131,20 +140,19 @@ class Comm:
                                          f"({detail}); build every rank from the same decision, placement and global "
                                          "weights (same seed or checkpoint), each with its own shard")
 
-    def all_to_all(self, x: torch.Tensor, *, send_counts: list[int], recv_counts: list[int],
-                   what: str) -> torch.Tensor:
-        """Rows of x, grouped by destination rank (send_counts rows each) -> rows from every peer."""
-        out = torch.empty((sum(recv_counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._record("all_to_all_single", what, x, (sum(send_counts) - send_counts[self.rank]) * _row_bytes(x))
-        self._run("all_to_all_single", what, lambda: dist.all_to_all_single(
-            _wire(out), _wire(x.contiguous()), output_split_sizes=recv_counts, input_split_sizes=send_counts,
-            group=self.group, async_op=True))
+    def all_to_all_equal(self, x: torch.Tensor, *, what: str,
+                         parts: Optional[dict[str, tuple[torch.dtype, tuple[int, ...]]]] = None) -> torch.Tensor:
+        """[size * C, ...] rows, block r for rank r -> [size * C, ...], block r from rank r (equal splits: no
+        sizes cross). `parts` names what a packed row carries (name -> dtype, shape), for the trace."""
+        out = torch.empty_like(x)
+        if self.trace is not None:
+            for name, (dtype, shape) in (parts or {what: (x.dtype, tuple(x.shape))}).items():
+                row = (torch.Size(shape[1:]).numel() * dtype.itemsize) if len(shape) > 1 else dtype.itemsize
+                self.trace.append(WireRecord("all_to_all_single", name, dtype, tuple(shape),
+                                             (self.size - 1) * (x.shape[0] // self.size) * row))
+        self._run("all_to_all_single", what, lambda: dist.all_to_all_single(_wire(out), _wire(x), group=self.group,
+                                                                            async_op=True))
         return out
-
-    def gather_counts(self, count: int, device: torch.device, *, shape: dict[str, int]) -> list[int]:
-        """Every rank's `count` (e.g. its number of tokens), in rank order; `shape` as in exchange_counts."""
-        rows = self.agree({"count": count, **shape}, device, what="counts", skip=1)
-        return [row[0] for row in rows]
 
     def all_gather(self, x: torch.Tensor, *, what: str) -> torch.Tensor:
         """[n, ...] on every rank (same n) -> [size * n, ...] in rank order."""
@@ -174,22 +182,73 @@ class Comm:
             raise CollectiveError(f"rank {self.rank}/{self.size}: {op} ({what}) refused: an earlier collective of "
                                   f"this group failed ({self._failure}); the group's state is unknown, re-create "
                                   "the process group (restart the ranks)")
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self.check()
         began = time.monotonic()
         try:
-            start().wait(timeout=timedelta(seconds=self.timeout_s))
+            work = start()
+            if self._host_waits:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()                     # the current stream waits; the host does not
+                if not capturing:
+                    self._watchdog.watch(work, op, what, began)
         except (RuntimeError, dist.DistError) as error:
-            cause = " ".join(str(error).split())[:300]
-            self._failure = f"{op} ({what}): {cause}"
-            raise CollectiveError(
-                f"rank {self.rank}/{self.size}: {op} of the MoE {what} failed after {time.monotonic() - began:.1f} s "
-                f"(collective timeout {self.timeout_s:g} s): {cause}. Another rank of the expert-parallel group "
-                f"failed, exited or never reached this collective: look for its error first. If the ranks are "
-                f"only slow (first-call compilation, a loaded machine), raise the timeout with ${TIMEOUT_ENV} "
-                "or build(..., timeout_s=...)") from error
+            self._fail(op, what, began, error)
+
+    def check(self) -> None:
+        """Raise CollectiveError for the oldest NCCL collective that failed or is past the timeout (no host wait)."""
+        failed = self._watchdog.oldest_failure()
+        if failed is not None:
+            self._fail(*failed)
+
+    def _fail(self, op: str, what: str, began: float, error: BaseException):
+        cause = " ".join(str(error).split())[:300]
+        self._failure = f"{op} ({what}): {cause}"
+        raise CollectiveError(
+            f"rank {self.rank}/{self.size}: {op} of the MoE {what} failed after {time.monotonic() - began:.1f} s "
+            f"(collective timeout {self.timeout_s:g} s): {cause}. Another rank of the expert-parallel group "
+            f"failed, exited or never reached this collective: look for its error first. If the ranks are "
+            f"only slow (first-call compilation, a loaded machine), raise the timeout with ${TIMEOUT_ENV} "
+            "or build(..., timeout_s=...)") from error
 
     def _record(self, op: str, what: str, x: torch.Tensor, bytes_out: int) -> None:
         if self.trace is not None:
             self.trace.append(WireRecord(op, what, x.dtype, tuple(x.shape), bytes_out))
+
+
+class Watchdog:
+    """The collectives a rank issued without waiting, oldest first; polled without blocking."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._unfinished: deque = deque()      # (work, op, what, issued at)
+
+    def watch(self, work, op: str, what: str, began: float) -> None:
+        self._unfinished.append((work, op, what, began))
+
+    def oldest_failure(self) -> Optional[tuple[str, str, float, BaseException]]:
+        """(op, what, issued at, error) of the oldest collective that failed or outlived the timeout, else None;
+        collectives seen complete are forgotten. After a failure nothing is watched any more."""
+        while self._unfinished:
+            work, op, what, began = self._unfinished[0]
+            failure = None
+            try:
+                done = work.is_completed()
+                if done:
+                    work.wait()        # complete: returns at once, or raises the collective's error
+            except (RuntimeError, dist.DistError) as error:
+                done, failure = True, error
+            if failure is None and not done and time.monotonic() - began > self.timeout_s:
+                failure = TimeoutError("not complete within the collective timeout")
+            if failure is not None:
+                self._unfinished.clear()
+                return op, what, began, failure
+            if not done:
+                return None
+            self._unfinished.popleft()
+        return None
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.uint8, torch.float64)
@@ -211,10 +270,6 @@ def _field_bytes(value: str) -> torch.Tensor:
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _FP8 else t
-
-
-def _row_bytes(x: torch.Tensor) -> int:
-    return x[0].numel() * x.element_size() if x.shape[0] else 0
 
 
 def init_distributed(*, backend: str, timeout_s: Optional[float] = None, **kwargs) -> None:

@@ -20,10 +20,27 @@ from moerules.quant import Granularity
 
 from ..prepare_finalize import LocalPrepareFinalize
 from ..quantize import finite_amax, tensor_scale_from_amax
+from .capacity import Capacity, CapacityError
 
 
 class ExchangePrepareFinalize(LocalPrepareFinalize):
     needs_group = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity = Capacity()
+
+    def set_capacity(self, *, tokens_per_rank: int, rows_per_peer: Optional[int] = None) -> None:
+        """Reserve exchange buffers for batches of up to `tokens_per_rank` tokens on every rank (the same values on
+        every rank, before the first forward). all2all only: rows_per_peer < tokens_per_rank sends less padding
+        but may overflow, which is detected on the device and raised as CapacityError."""
+        if rows_per_peer is not None and not self.needs_expert_placement:
+            raise CapacityError(f"{type(self).__name__} gathers every token to every rank: it has no rows_per_peer")
+        self.capacity.request(tokens_per_rank, rows_per_peer)
+
+    def check_capacity(self) -> None:
+        """Blocking: CapacityError if any forward so far (graph replays included) overflowed the buffers."""
+        self.capacity.check(self.comm)
 
     @property
     def remote_expert_ids(self) -> bool:

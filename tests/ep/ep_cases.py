@@ -237,3 +237,47 @@ def outcome_of_rank_case(cases: tuple) -> dict:
         return {"error": None, "out": ep_forward(cases[dist.get_rank()])["out"]}
     except Exception as error:  # noqa: BLE001 - every outcome goes back to the test, which checks its type
         return {"error": f"{type(error).__name__}: {error}"}
+
+
+def capacity_outcome(case: Case, tokens_per_rank: int, rows_per_peer: Optional[int]) -> dict:
+    """This rank's output with exchange buffers reserved by set_capacity, or the CapacityError it ended in."""
+    from moerules.kernels.ep import CapacityError
+    layer = build_rank_layer(case, dist.get_rank())
+    layer.prepare_finalize.set_capacity(tokens_per_rank=tokens_per_rank, rows_per_peer=rows_per_peer)
+    x, ids, weights = rank_inputs(case, dist.get_rank())
+    try:
+        return {"error": None, "out": layer(x, topk_ids=ids, topk_weights=weights)}
+    except CapacityError as error:
+        return {"error": str(error), "out": None}
+
+
+def collectives_of_forwards(case: Case, forwards: int) -> list[list[str]]:
+    """Per forward of one layer: the collectives it issued ('op what'), in order."""
+    layer = build_rank_layer(case, dist.get_rank())
+    comm = layer.prepare_finalize.comm
+    issued: list[str] = []
+    run = comm._run
+    comm._run = lambda op, what, start: (issued.append(f"{op} {what}"), run(op, what, start))[1]
+    x, ids, weights = rank_inputs(case, dist.get_rank())
+    per_forward = []
+    for _ in range(forwards):
+        issued.clear()
+        layer(x, topk_ids=ids, topk_weights=weights)
+        per_forward.append(list(issued))
+    return per_forward
+
+
+def overflow_without_report(case: Case, tokens_per_rank: int, rows_per_peer: int) -> dict:
+    """The output of a forward whose end-of-forward report is switched off, then check_capacity()'s error."""
+    from moerules.kernels.ep import CapacityError
+    layer = build_rank_layer(case, dist.get_rank())
+    pf = layer.prepare_finalize
+    pf.set_capacity(tokens_per_rank=tokens_per_rank, rows_per_peer=rows_per_peer)
+    pf.capacity.report = lambda comm: None
+    x, ids, weights = rank_inputs(case, dist.get_rank())
+    out = layer(x, topk_ids=ids, topk_weights=weights)
+    try:
+        pf.check_capacity()
+    except CapacityError as error:
+        return {"out": out, "error": str(error)}
+    return {"out": out, "error": None}

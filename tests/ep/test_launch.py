@@ -18,7 +18,7 @@ EXAMPLE = "examples/mixtral-ep2-cpu.yaml"
 def test_the_example_runs_under_torchrun_and_matches_one_device():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                            "127.0.0.1", "--master-port", str(free_port()), "-m", "moerules.launch", EXAMPLE, "--json",
-                           "--tokens", "16", "--iters", "1", "--timeout", "60"],
+                           "--tokens", "16", "--iters", "1", "--timeout", "60", "--dist-backend", "gloo"],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(proc.stdout)

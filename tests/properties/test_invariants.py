@@ -10,7 +10,7 @@ import string
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from moerules.config import All2AllBackend
+from moerules.config import All2AllBackend, ModelShape
 from moerules.decision import ActivationFormat, Outcome, QuantizedBy, ReasonCode, SelectedBy
 from moerules.errors import UnknownBackendError
 from moerules.engine.decide import Engine, _round_up
@@ -283,7 +283,9 @@ def test_metamorphic_unread_fields_never_change_the_decision(config, data):
     read = _fields_read_by_rules()
     unread = {"model.num_experts": st.integers(1, 2048), "model.top_k": st.integers(1, 16),
               "model.routing": st.sampled_from(["softmax", "softmax_renormalize", "deepseek_v3", "llama4", "sigmoid"]),
-              "parallel.eplb": st.booleans(), "features.batch_invariant": st.booleans()}
+              "parallel.eplb": st.booleans(), "features.batch_invariant": st.booleans(),
+              # the layer's math only (kernel scalars): no rule may read them
+              **{f"model.{name}": st.floats(0.01, 100.0) for name in ModelShape.MATH_ONLY_FIELDS}}
     candidates = sorted(path for path in unread if path not in read and path not in _ASSEMBLY_READS)
     assume(candidates)
     path = data.draw(st.sampled_from(candidates))

@@ -7,7 +7,7 @@ import platform as _host
 
 import os
 
-from moerules.config import SWITCH_VARIABLES, Package, Platform, Switch, Switches, Vendor
+from moerules.config import HUMMING_GEMM_VARIABLE, SWITCH_VARIABLES, Package, Platform, Switch, Switches, Vendor
 
 # Which importable module proves a kernel package is present.
 _PROBES = {
@@ -27,6 +27,8 @@ def detect_switches(environ=os.environ) -> Switches:
         given = [environ[name].strip().lower() for name in variables if name in environ]
         if given:
             values[field] = Switch.on if all(value in ("1", "true") for value in given) else Switch.off
+    gemm = environ.get(HUMMING_GEMM_VARIABLE, "auto").strip().lower()
+    values["humming_moe_gemm_type"] = {"auto": "unset", "grouped_contiguous": "grouped"}.get(gemm, gemm)
     return Switches(**values)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
 from moerules.activation import Activation
-from moerules.config import VLLM_INSTALL, All2AllBackend, MoEConfig, Package, Routing, Switch, Switches
+from moerules.config import VLLM_INSTALL, All2AllBackend, MoEConfig, Package, Routing, Switches
 from moerules.quant import QuantFamily
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
@@ -29,7 +29,14 @@ QUANTS = [{"family": f.value} for f in QuantFamily] + [
     {"family": "fp8_w8a8", "weight_granularity": "channel", "checkpoint": "compressed_tensors"},
     {"family": "fp8_w8a8", "weight_granularity": "block128"},
     {"family": "fp8_w8a16", "weight_granularity": "block128"},
+    # llm-compressor's INT4 checkpoints: the only WNA16 layout vLLM's RDNA3 and Triton WNA16 experts take
+    {"family": "wna16", "checkpoint": "compressed_tensors"},
 ]
+# FP8 layouts off the product's defaults, where per-layout key rules (AITER, Humming, CUTLASS) refuse: each on
+# every platform, in auto mode and pinned to every backend, with AITER switched on.
+FP8_LAYOUTS = [{"family": "fp8_w8a8", "weight_granularity": "channel", "activation_granularity": "tensor"},
+               {"family": "fp8_w8a8", "weight_granularity": "block128", "activation_granularity": "tensor"},
+               {"family": "fp8_w8a8", "activation_granularity": "token"}]
 ACTIVATIONS = ["silu", "swigluoai"]
 ALIGNMENTS = {"aligned": dict(hidden_size=4096, moe_intermediate_size=4096),
               "unaligned": dict(hidden_size=2880, moe_intermediate_size=2880)}
@@ -42,7 +49,7 @@ PARALLELS = {"single": {}, "tp4": {"tp": 4}, "dp2": {"dp": 2}, "tp2_ep": {"tp": 
 PACKAGES = {"all": [p.value for p in Package], "vllm": sorted(p.value for p in VLLM_INSTALL), "triton": ["triton"]}
 COLUMNS = ["cell", "outcome", "backend", "alternatives", "prepare_finalize", "selected_by", "fallback_rule", "quantized_by",
            "expects_unquantized_inputs", "dispatch_dtype", "scale_dim", "weight_block", "hidden_pad",
-           "intermediate_pad", "expert_placement", "failure_reason", "rules"]
+           "intermediate_pad", "expert_placement", "failure_reason", "refused_by", "rules"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,9 @@ class Cell:
 
 
 def _quant_name(quant: dict) -> str:
-    return quant["family"] + ("/" + quant["weight_granularity"] if "weight_granularity" in quant else "")
+    return (quant["family"] + ("/" + quant["weight_granularity"] if "weight_granularity" in quant else "")
+            + ("/act=" + quant["activation_granularity"] if "activation_granularity" in quant else "")
+            + ("@" + quant["checkpoint"] if "checkpoint" in quant else ""))
 
 
 # One factor at a time on top of a plain layer: the dimensions the product above leaves at
@@ -83,7 +92,11 @@ VARIATIONS: dict[str, dict] = {
     "cpu_amx": {"platform": {"cpu_amx": True}},
     **{f"router_logits={d}": {"model": {"router_logits_dtype": d}} for d in ("bf16", "fp32")},
     **{f"switch={name}={value.value}": {"switches": {name: value.value}}
-       for name in Switches.model_fields for value in Switch if value != Switch.unset},
+       for name, field in Switches.model_fields.items() for value in field.annotation if value.value != "unset"},
+    # Humming's batched experts, reached only with VLLM_HUMMING_MOE_GEMM_TYPE=grouped_masked
+    "switch=humming_moe_gemm_type=grouped_masked+a2a=deepep_low_latency": {
+        "switches": {"humming_moe_gemm_type": "grouped_masked"},
+        "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"}},
     **{f"checkpoint={c}": {"quant": {"checkpoint": c}} for c in ("compressed_tensors", "quark")},
     "checkpoint=modelopt": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False}},
     "static_activation_scales": {"quant": {"activation_dynamic": False}},
@@ -92,26 +105,37 @@ VARIATIONS: dict[str, dict] = {
     # a multiple of 128 but not 256, of 64 but not 128, of 32 but not 64.
     **{f"hidden={h}": {"model": {"hidden_size": h}} for h in (2176, 2112, 2080)},
     **{f"intermediate={i}": {"model": {"moe_intermediate_size": i}} for i in (2176, 2112, 2080)},
-    # vLLM 0.33 runs AITER's FP8 experts (the only experts MoRI pairs with) only with VLLM_ROCM_USE_AITER=1.
-    "a2a=mori+switch=rocm_use_aiter=on": {
-        "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "mori"},
-        "switches": {"rocm_use_aiter": "on"}},
-    # vLLM 0.33 runs AITER's unquantised experts only with VLLM_ROCM_USE_AITER=1, and pads their
-    # intermediate size: 2080 is padded to a multiple of 128.
-    "intermediate=2080+switch=rocm_use_aiter=on": {"model": {"moe_intermediate_size": 2080},
-                                                    "switches": {"rocm_use_aiter": "on"}},
     # Llama-4 routes each token to one expert; zentorch's INT4 grouped GEMM needs two.
     "top_k=1": {"model": {"top_k": 1}},
     "switch=rocm_use_aiter=on+rocm_use_aiter_moe=off": {"switches": {"rocm_use_aiter": "on", "rocm_use_aiter_moe": "off"}},
     # AITER pads a small unquantised intermediate (<= 192) to a multiple of 64, a larger one to 128.
-    "intermediate=160+switch=rocm_use_aiter=on": {"model": {"moe_intermediate_size": 160},
-                                                  "switches": {"rocm_use_aiter": "on"}},
+    "intermediate=160": {"model": {"moe_intermediate_size": 160}},
+    # vLLM's CPU BF16 experts need hidden a multiple of 32 unless zentorch runs the layer
+    "hidden=2000+without=zentorch": {"model": {"hidden_size": 2000},
+                                     "platform": {"packages": [q.value for q in Package if q != Package.zentorch]}},
+    "lora+a2a=flashinfer_nvlink": {"features": {"lora": True},
+                                   "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "flashinfer_nvlink"}},
+    "a2a=moonep+eplb": {"parallel": {"dp": 2, "expert_parallel": True, "eplb": True, "all2all_backend": "moonep"}},
     "a2a=flashinfer_nvlink+eplb": {"parallel": {"dp": 2, "expert_parallel": True, "eplb": True,
                                                 "all2all_backend": "flashinfer_nvlink"}},
     "a2a=deepep_low_latency+without=triton": {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},
 }
+
+
+# What a vendor's own experts wait for before they are considered at all (AITER: VLLM_ROCM_USE_AITER=1; vLLM's
+# CPU MXFP4/INT4 experts: AMX): every single-factor variation is also tried with it, on that vendor only, so
+# the limits of those experts (activations, routing, dtypes, biases, dispatchers) show in some decision.
+ENABLERS = {"switch=rocm_use_aiter=on": ("rocm", {"switches": {"rocm_use_aiter": "on"}}),
+            "cpu_amx": ("cpu", {"platform": {"cpu_amx": True}})}
+
+
+def _with_enabler(variation: str, enabler: str) -> dict:
+    changes = {section: dict(values) for section, values in VARIATIONS[variation].items()}
+    for section, values in ENABLERS[enabler][1].items():
+        changes[section] = {**changes.get(section, {}), **values}
+    return changes
 
 
 def _cell(platform, quant, parallel, lora, align, activation, packages, pin, variation: str = "",
@@ -141,6 +165,11 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "intermediate=2080")
     for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
+    for enabler, (vendor, _) in ENABLERS.items():
+        for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
+            if platform[0] == vendor and enabler.split("=")[0] not in variation:
+                yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto",
+                            f"{variation}+{enabler}", _with_enabler(variation, enabler))
     # Each pinned backend with every package but its own (AITER switched on, behind the dispatcher its format
     # needs): there the generated package gate alone refuses it, so a mutant of that gate changes a decision.
     for platform, quant, (pin, declared) in itertools.product(PLATFORMS, QUANTS, sorted(backends.items())):
@@ -150,6 +179,8 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
             yield _cell(platform, quant, parallel, False, "aligned", "silu", "all", pin, "without_own_packages",
                         {"platform": {"packages": sorted(set(PACKAGES["all"]) - own)},
                          "switches": {"rocm_use_aiter": "on"}})
+    for platform, quant, pin in itertools.product(PLATFORMS, FP8_LAYOUTS, ["auto", *sorted(backends)]):
+        yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "switch=rocm_use_aiter=on")
     # CPUs other than x86: vLLM's CPU experts differ by ISA (AMX, NEON, VSX), auto and pinned.
     for quant, pin in itertools.product(QUANTS, ("auto", "vllm_cpu")):
         yield _cell(("cpu", "aarch64"), quant, "single", False, "aligned", "silu", "all", pin)
@@ -229,7 +260,16 @@ def record(engine: Engine, config: MoEConfig) -> dict:
             "intermediate_pad": str(pad.intermediate_pad) if pad else "",
             "expert_placement": d.expert_placement.value if d.expert_placement else "",
             "failure_reason": d.failure_reason.value if d.failure_reason else "",
+            "refused_by": _refused_by(d),
             "rules": " ".join(responsible_rules(engine, d))}
+
+
+def _refused_by(decision: Decision) -> str:
+    """A pinned cell's every rule that refuses the requested backend: what a user who pinned it is told. Only
+    the decisive one is `failure_reason`; recording them all makes every rule that can refuse a pin visible."""
+    if decision.requested == "auto":
+        return ""
+    return " ".join(sorted({r.rule for r in decision.rejections_of(decision.requested)}))
 
 
 def row(engine: Engine, cell: Cell) -> dict:

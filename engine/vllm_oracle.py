@@ -23,7 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from moerules.config import SWITCH_VARIABLES, MoEConfig, Package, Vendor
+from moerules.config import HUMMING_GEMM_VARIABLE, SWITCH_VARIABLES, MoEConfig, Package, Vendor
 from moerules.errors import MoeRulesError
 
 VLLM_VERSION = "0.33.0"
@@ -473,7 +473,7 @@ def _selection(config: MoEConfig, moe: object) -> Callable[[], tuple]:
 # Variables selection also reads that no config field models: always unset (vLLM's defaults), so the
 # host's environment cannot leak into an answer.
 _DEFAULTED_VARIABLES = ("VLLM_B12X_MOE_FP4_FORCE_A16", "VLLM_DEEPEPLL_NVFP4_DISPATCH", "VLLM_HUMMING_INPUT_QUANT_CONFIG",
-                        "VLLM_HUMMING_MOE_GEMM_TYPE", "VLLM_HUMMING_USE_F16_ACCUM", "VLLM_ROCM_MOE_PADDING",
+                        "VLLM_HUMMING_USE_F16_ACCUM", "VLLM_ROCM_MOE_PADDING",
                         "VLLM_CPU_INT4_W4A8", "VLLM_ROCM_USE_AITER_MOE_A4W4_DSV4")
 
 
@@ -484,6 +484,8 @@ def _switches(config: MoEConfig) -> dict[str, Optional[str]]:
     for field, variables in SWITCH_VARIABLES.items():
         switch = getattr(config.switches, field).value
         values.update((name, None if switch == "unset" else "1" if switch == "on" else "0") for name in variables)
+    gemm = config.switches.humming_moe_gemm_type.value
+    values[HUMMING_GEMM_VARIABLE] = None if gemm == "unset" else gemm
     return values
 
 

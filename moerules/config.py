@@ -357,6 +357,19 @@ SWITCH_VARIABLES = {"rocm_use_aiter": ("VLLM_ROCM_USE_AITER",), "rocm_use_aiter_
                     "use_deep_gemm": ("VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM")}
 
 
+class HummingGemmType(str, Enum):
+    """VLLM_HUMMING_MOE_GEMM_TYPE as vLLM reads it (experts/fused_humming_moe.py:112-126): unset (or `auto`)
+    lets vLLM choose (indexed, grouped under EP); a value forces that GEMM, and with it one Humming class."""
+
+    unset = "unset"
+    indexed = "indexed"
+    grouped = "grouped"                    # vLLM's grouped_contiguous
+    grouped_masked = "grouped_masked"      # the batched class
+
+
+HUMMING_GEMM_VARIABLE = "VLLM_HUMMING_MOE_GEMM_TYPE"
+
+
 class Switches(_Record):
     """vLLM's environment switches that change the kernel decision; `detect()` reads them."""
 
@@ -364,8 +377,11 @@ class Switches(_Record):
     rocm_use_aiter_moe: Switch = Field(Switch.unset, description="VLLM_ROCM_USE_AITER_MOE (default on).")
     use_deep_gemm: Switch = Field(Switch.unset, description="VLLM_USE_DEEP_GEMM / VLLM_MOE_USE_DEEP_GEMM: on forces "
                                                             "DeepGEMM for FP8, off removes it.")
+    humming_moe_gemm_type: HummingGemmType = Field(HummingGemmType.unset, description=(
+        "VLLM_HUMMING_MOE_GEMM_TYPE: the GEMM Humming runs (default: indexed, grouped under EP); grouped_masked "
+        "selects its batched experts, behind a batched dispatcher."))
 
-    @field_validator("*", mode="before")
+    @field_validator(*SWITCH_VARIABLES, mode="before")
     @classmethod
     def _yaml_booleans(cls, value):
         """YAML 1.1 reads a bare `on`/`off` as a boolean: take it as the switch it was written as."""

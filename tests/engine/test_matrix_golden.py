@@ -127,5 +127,5 @@ def test_matrix_writes_the_files_and_check_catches_the_changed_priority(ruleset,
     capsys.readouterr()
     assert cli.main(["matrix", "--check", "--out", str(out), "--quiet", "--rules", str(mutant), "--limit", "1"]) == 2
     first, more, total = capsys.readouterr().out.splitlines()[:3]
-    assert first.startswith("cuda:sm_90|fp8_w8a8/channel|") and ": vllm_cutlass -> triton (alternatives: " in first
+    assert first.startswith("cuda:sm_90|fp8_w8a8/channel@compressed_tensors|") and ": vllm_cutlass -> triton (alternatives: " in first
     assert more.startswith("... and ") and total == f"{int(more.split()[2]) + 1} changed decision(s) of {len(cells)}"

@@ -71,7 +71,7 @@ def test_the_legend_defines_every_shape_and_layout_on_the_page(page_cells):
         f"16 experts, top-2, bf16 inputs, every kernel package installed ({len(Package)}), backend auto"
     assert legend["parallel"]["single"] == "one GPU, no parallelism"
     assert legend["parallel"]["tp2_ep"] == "tp=2, expert_parallel=True"
-    assert legend["family"]["fp8_w8a8/channel"] == \
+    assert legend["family"]["fp8_w8a8/channel@compressed_tensors"] == \
         "family=fp8_w8a8, weight_granularity=channel, checkpoint=compressed_tensors"
     values = {dim: {v[i] for v, _ in page_cells} for i, dim in enumerate(matrix_html.DIMENSIONS)}
     assert all(values[dim] == set(legend[dim]) for dim in ("shape", "parallel", "family", "lora"))

@@ -130,6 +130,9 @@ class Conformance:
         """The rules that kept vLLM's choice from being ours: its rejections, else the ranking in effect
         (the base order that applied and the promotions/demotions that moved either backend)."""
         rejected = sorted({r.rule for r in decision.rejections if r.backend == theirs})
+        if not rejected and decision.prepare_finalize is None:   # vLLM's experts stand; the layout's dispatcher fell
+            used = {rule.item.use for rule in self.ruleset.dispatch if rule.id in decision.trace}
+            rejected = sorted({r.rule for r in decision.rejections if r.backend in used})
         if rejected or theirs.startswith("unnamed:"):
             return rejected
         fired = set(decision.trace)

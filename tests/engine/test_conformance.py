@@ -52,6 +52,18 @@ def test_a_difference_is_charged_to_the_rule_that_made_it(tmp_path, oracle, devi
     assert row.ours != "flashinfer_trtllm" and row.source.startswith("model_executor/layers/fused_moe/experts/")
 
 
+def test_a_refused_dispatcher_is_charged_when_vllms_experts_stand(oracle):
+    """FlashInfer NVLink on a ROCm machine that reports FlashInfer: vLLM builds it behind AITER's MXFP8 experts,
+    we refuse the dispatcher off CUDA; the difference is the dispatcher rule's, not 'missing in ours'."""
+    config = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096},
+                       quant={"family": "mxfp8"}, switches={"rocm_use_aiter": "on"},
+                       parallel={"dp": 2, "expert_parallel": True, "all2all_backend": "flashinfer_nvlink"},
+                       platform={"vendor": "rocm", "arch": "gfx950", "packages": ["triton", "vllm", "aiter", "flashinfer"]})
+    row = conformance.Conformance(load_rules(None), oracle).compare(Cell("fi-on-rocm", config))
+    assert (row.ours, row.theirs, row.rules, row.verdict) == ("unsupported", "aiter_mxfp8", "flashinfer_nvlink.cuda",
+                                                              "deviation")
+
+
 def test_inexpressible_configs_are_counted_apart(oracle):
     ours_only = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size": 4096, "moe_intermediate_size": 4096},
                           parallel={"dp": 2, "expert_parallel": True, "all2all_backend": "torch_all2all"},

@@ -15,7 +15,7 @@ from moerules.errors import TableFileError
 from moerules.resources import default_rules_dir
 
 PLAIN = {"cell": "cuda:sm_90|x", "outcome": "selected", "backend": "triton", "alternatives": "",
-         "fallback_rule": "", "failure_reason": "", "rules": "dispatch.local quant.unquantized",
+         "fallback_rule": "", "failure_reason": "", "refused_by": "", "rules": "dispatch.local quant.unquantized",
          **{k: v for k, v in matrix_golden.USUAL.items() if k != "outcome"}}
 
 

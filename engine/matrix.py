@@ -110,6 +110,8 @@ VARIATIONS: dict[str, dict] = {
     "switch=rocm_use_aiter=on+rocm_use_aiter_moe=off": {"switches": {"rocm_use_aiter": "on", "rocm_use_aiter_moe": "off"}},
     # AITER pads a small unquantised intermediate (<= 192) to a multiple of 64, a larger one to 128.
     "intermediate=160": {"model": {"moe_intermediate_size": 160}},
+    # a multiple of 8, not of 16: FlashInfer's per-tensor FP8 pads to 16
+    "intermediate=2056": {"model": {"moe_intermediate_size": 2056}},
     # a non-gated layer (Nemotron-H style) whose intermediate is a multiple of 64, not of 128: TRT-LLM/CuteDSL
     # NVFP4 pad it to 128 there, to 64 when gated
     "act=relu2_no_mul+intermediate=2112": {"model": {"activation": "relu2_no_mul", "moe_intermediate_size": 2112}},

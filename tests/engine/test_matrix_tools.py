@@ -57,7 +57,7 @@ def test_diff_reads_git_refs(rules_repo, capsys, monkeypatch):
     assert main(["diff", "HEAD", "rules", "--no-matrix", "--random", "3000", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["old"] == load_rules().hash and report["changed"] > 0
-    assert all(c["new_backend"] == "batched_triton" and "batched_triton.no_int8" in c["rules"]
+    assert any(c["new_backend"] == "batched_triton" and "batched_triton.no_int8" in c["rules"]
                for c in report["changes"])
     assert main(["diff", "no-such-ref", "rules", "--no-matrix", "--random", "1"]) == 2
     assert "neither a path nor a git ref" in capsys.readouterr().err

@@ -32,11 +32,15 @@ QUANTS = [{"family": f.value} for f in QuantFamily] + [
     # llm-compressor's INT4 checkpoints: the only WNA16 layout vLLM's RDNA3 and Triton WNA16 experts take
     {"family": "wna16", "checkpoint": "compressed_tensors"},
 ]
-# FP8 layouts off the product's defaults, where per-layout key rules (AITER, Humming, CUTLASS) refuse: each on
+# Layouts off the product's defaults, where per-layout key rules (AITER, Humming, CUTLASS, RDNA3) refuse: each on
 # every platform, in auto mode and pinned to every backend, with AITER switched on.
-FP8_LAYOUTS = [{"family": "fp8_w8a8", "weight_granularity": "channel", "activation_granularity": "tensor"},
-               {"family": "fp8_w8a8", "weight_granularity": "block128", "activation_granularity": "tensor"},
-               {"family": "fp8_w8a8", "activation_granularity": "token"}]
+LAYOUTS = [{"family": "fp8_w8a8", "weight_granularity": "channel", "activation_granularity": "tensor"},
+           {"family": "fp8_w8a8", "weight_granularity": "block128", "activation_granularity": "tensor"},
+           {"family": "fp8_w8a8", "weight_granularity": "block128", "activation_granularity": "tensor",
+            "activation_dynamic": False},
+           {"family": "fp8_w8a8", "weight_granularity": "block128", "checkpoint": "compressed_tensors"},
+           {"family": "fp8_w8a8", "activation_granularity": "token"},
+           {"family": "wna16", "weight_granularity": "channel", "checkpoint": "compressed_tensors"}]
 ACTIVATIONS = ["silu", "swigluoai"]
 ALIGNMENTS = {"aligned": dict(hidden_size=4096, moe_intermediate_size=4096),
               "unaligned": dict(hidden_size=2880, moe_intermediate_size=2880)}
@@ -61,6 +65,7 @@ class Cell:
 def _quant_name(quant: dict) -> str:
     return (quant["family"] + ("/" + quant["weight_granularity"] if "weight_granularity" in quant else "")
             + ("/act=" + quant["activation_granularity"] if "activation_granularity" in quant else "")
+            + ("/static" if quant.get("activation_dynamic") is False else "")
             + ("@" + quant["checkpoint"] if "checkpoint" in quant else ""))
 
 
@@ -100,7 +105,7 @@ VARIATIONS: dict[str, dict] = {
     **{f"checkpoint={c}": {"quant": {"checkpoint": c}} for c in ("compressed_tensors", "quark")},
     "checkpoint=modelopt": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False}},
     "static_activation_scales": {"quant": {"activation_dynamic": False}},
-    **{f"arch={a}": {"model": {"architecture": a}} for a in ("qwen3_5_moe_text", "gpt_oss", "deepseek_v3")},
+    **{f"arch={a}": {"model": {"architecture": a}} for a in ("qwen3_5_moe_text", "gpt_oss", "deepseek_v3", "kolibri1")},
     # Each alignment boundary a rule tests, on hidden and on the per-partition intermediate separately:
     # a multiple of 128 but not 256, of 64 but not 128, of 32 but not 64.
     **{f"hidden={h}": {"model": {"hidden_size": h}} for h in (2176, 2112, 2080)},
@@ -121,6 +126,11 @@ VARIATIONS: dict[str, dict] = {
     "lora+a2a=flashinfer_nvlink": {"features": {"lora": True},
                                    "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "flashinfer_nvlink"}},
     "a2a=moonep+eplb": {"parallel": {"dp": 2, "expert_parallel": True, "eplb": True, "all2all_backend": "moonep"}},
+    # vLLM's LoRA shortcut returns Triton before looking at the dispatcher: only the engine's EPLB check stops it
+    "lora+a2a=moonep+eplb": {"features": {"lora": True},
+                             "parallel": {"dp": 2, "expert_parallel": True, "eplb": True, "all2all_backend": "moonep"}},
+    # triton_kernels' MXFP4 MoE asserts bf16 inputs; swigluoai is the only activation it takes
+    "act=swigluoai+dtype=fp16": {"model": {"activation": "swigluoai", "in_dtype": "fp16"}},
     "a2a=flashinfer_nvlink+eplb": {"parallel": {"dp": 2, "expert_parallel": True, "eplb": True,
                                                 "all2all_backend": "flashinfer_nvlink"}},
     "a2a=deepep_low_latency+without=triton": {
@@ -184,8 +194,12 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
             yield _cell(platform, quant, parallel, False, "aligned", "silu", "all", pin, "without_own_packages",
                         {"platform": {"packages": sorted(set(PACKAGES["all"]) - own)},
                          "switches": {"rocm_use_aiter": "on"}})
-    for platform, quant, pin in itertools.product(PLATFORMS, FP8_LAYOUTS, ["auto", *sorted(backends)]):
+    for platform, quant, pin in itertools.product(PLATFORMS, LAYOUTS, ["auto", *sorted(backends)]):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "switch=rocm_use_aiter=on")
+    # Each pin under expert parallelism with fp16 inputs: the MoE-EP megakernels, which run only under EP and
+    # only when pinned, show their dtype limit here, and every backend's fp16 refusal is recorded pinned.
+    for platform, quant, pin in itertools.product(PLATFORMS, QUANTS, sorted(backends)):
+        yield _cell(platform, quant, "tp2_ep", False, "aligned", "silu", "all", pin, "dtype=fp16")
     # CPUs other than x86: vLLM's CPU experts differ by ISA (AMX, NEON, VSX), auto and pinned.
     for quant, pin in itertools.product(QUANTS, ("auto", "vllm_cpu")):
         yield _cell(("cpu", "aarch64"), quant, "single", False, "aligned", "silu", "all", pin)

@@ -6,8 +6,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE
 
-from moerules.kernels.quantize import (FP8_MAX, dequantize_activation, dequantize_weight, quantize_activation,
-                                       quantize_weight)
+from moerules.kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation, quantize_weight
 from moerules.kernels.routing import fused_topk, grouped_topk, validate_topk
 from moerules.quant import Granularity as G
 
@@ -113,7 +112,7 @@ def test_activation_quant_roundtrip_and_triton_agrees(dtype, gran):
 def test_static_activation_scale_saturates():
     x = torch.tensor([[1.0, -1000.0, 3.0]])
     q, s = quantize_activation(x, dtype=torch.float8_e4m3fn, granularity=G.tensor, static_scale=torch.tensor([0.01]))
-    assert s.item() == pytest.approx(0.01) and q.float()[0, 1].item() == -FP8_MAX
+    assert s.item() == pytest.approx(0.01) and q.float()[0, 1].item() == -448.0  # e4m3fn's largest finite value
 
 
 @pytest.mark.parametrize("gran,dtype", [(G.tensor, torch.float8_e4m3fn), (G.channel, torch.float8_e4m3fn),

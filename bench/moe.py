@@ -24,7 +24,8 @@ call), in CUDA-graph replay and eager. Floor (reference section 3.2):
     applied per 32-wide K step is possible on Hopper; that is what our kernel does).
 MX schemes are timed at M in MX_M_LIST by default (gpt-oss mxfp4 is memory-bound up to M~2300).
 Launches: the GPU operations (kernels, memsets, copies) one eager forward enqueues, from the profiler's
-device trace. --baseline: a results.json of an earlier run (the previous commit's, or the old code timed
+device trace; 4 of them (the top-k range check's min, max and two device-to-host copies) are eager-only,
+a captured graph skips them. --baseline: a results.json of an earlier run (the previous commit's, or the old code timed
 in the same device session); each point gets baseline µs / this µs (> 1: faster now) and the old launches.
 """
 

@@ -19,7 +19,6 @@ read hits L1/L2).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -31,6 +30,7 @@ from moerules.quant import Granularity
 from ..mx import E4M3_EMAX, E8M0_BIAS, E8M0_MAX, E8M0_MIN, MX_GROUP
 from ..qrange import MIN_SCALE, qmax
 from ..scheme import QUANT_BLOCK
+from .device import sm_count
 
 G = Granularity
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # NaN and Inf compare False against it
@@ -155,18 +155,11 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
     tl.store(scale_ptr + row * stride_sm + g, stored, mask=g * GROUP < K)
 
 
-@functools.lru_cache(maxsize=None)
-def _max_programs(device: torch.device) -> int:
-    """Programs of a grid-stride pass: a few per SM (a driver query, once per device); 4 off CUDA."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return _PROGRAMS_PER_SM * sms
-
-
 def _quantize_tensor(x: torch.Tensor, q: torch.Tensor, static_scale: Optional[torch.Tensor]) -> torch.Tensor:
     n = x.numel()
     single = n <= _SINGLE_TILE
     block = max(16, triton.next_power_of_2(n)) if single else _TENSOR_BLOCK
-    programs = 1 if single else min(triton.cdiv(n, block), _max_programs(x.device))
+    programs = 1 if single else min(triton.cdiv(n, block), _PROGRAMS_PER_SM * sm_count(x.device))
     scale, partials, num_partials = torch.empty(1, dtype=torch.float32, device=x.device), x, 0
     if static_scale is not None:
         scale = static_scale.float().reshape(1).contiguous()

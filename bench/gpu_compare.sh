@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}/$name
 mkdir -p "$out"
 nvidia-smi -L | tee "$out/log.txt"
-PYTHONPATH=/tmp/site:$PWD timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest tests/kernels -q -n 8 \
+PYTHONPATH=/tmp/site:$PWD timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest tests/kernels -q -n 8 -p no:benchmark \
   -p no:cacheprovider 2>&1 | tail -25 | tee -a "$out/log.txt"
 # shellcheck disable=SC2086
 PYTHONPATH=/tmp/site:$PWD timeout 120 python3 bench/moe.py --phase correctness $correctness \

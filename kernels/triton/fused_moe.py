@@ -8,12 +8,6 @@ act(gate) * up: the [M*k, 2I] pre-activation never reaches memory. Gate/up row p
 (n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss). With GATED
 False (the `*_no_mul` activations, w13 has I rows) it keeps one accumulator and writes act(h).
 
-Split-K (SPLIT_K > 1, decode): GEMM1's grid gets a second axis, the K range of each program. At M=1 a
-many-expert model has only (k experts) x (I / BLOCK_N) tiles, too few to keep every SM streaming weights;
-splitting K multiplies the programs. Each writes its fp32 gate/up partials to a workspace and counts itself
-in on the tile's counter; the last to arrive sums the partials and runs the epilogue (activation, store),
-then zeroes the counter for the next call (so the counters need no clearing launch).
-
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
 accumulator before the activation (GEMM1) or the router weight (GEMM2). LORA_R is the rank
@@ -297,39 +291,6 @@ def lora_shrink_kernel(
 
 
 @triton.jit
-def _k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[start, end) of this program's share of K: whole BLOCK_K steps, split evenly over SPLIT_K programs."""
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    start = tl.program_id(1) * per_split
-    return start, tl.minimum(start + per_split, K)
-
-
-@triton.jit
-def _split_k_sum(acc_g, acc_u, partial_ptr, counter_ptr, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Publish this program's partials; (True, full sums) for the tile's last program, (False, -) for the others."""
-    tile = tl.program_id(0).to(tl.int64)
-    tile_elems: tl.constexpr = 2 * BLOCK_M * BLOCK_N  # gate then up
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tile_ptr = partial_ptr + tile * SPLIT_K * tile_elems
-    mine = tile_ptr + tl.program_id(1) * tile_elems
-    tl.store(mine + offs, acc_g)
-    if GATED:
-        tl.store(mine + BLOCK_M * BLOCK_N + offs, acc_u)
-    tl.debug_barrier()  # every thread's partials are written before the counter says so
-    last = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-    if last:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT_K):  # in split order: the sum does not depend on which program came last
-            acc_g += tl.load(tile_ptr + s * tile_elems + offs, cache_modifier=".cg")
-            if GATED:
-                acc_u += tl.load(tile_ptr + s * tile_elems + BLOCK_M * BLOCK_N + offs, cache_modifier=".cg")
-        tl.atomic_xchg(counter_ptr + tile, 0)
-    return last, acc_g, acc_u
-
-
-@triton.jit
 def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok, stride_wsn, bias_e, slot,
                     lora_shrink_ptr, stride_lsm, lora_b_e, stride_lbn, lora_rank, A_SCALE: tl.constexpr,
                     W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
@@ -353,12 +314,10 @@ def gemm1_gated_kernel(
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha,
-        partial_ptr, counter_ptr, SPLIT_K: tl.constexpr):
+        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
-    With SPLIT_K > 1 (fp32 accumulators only), program (tile, s) sums the s-th share of K (module doc).
     """
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -374,9 +333,9 @@ def gemm1_gated_kernel(
     ws_e = w_scale_ptr + e * stride_wse
     acc_dtype = tl.int32 if ACC_INT else tl.float32
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)  # unused unless GATED
-    k_start, k_end = _k_range(K, SPLIT_K, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    if GATED:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -385,10 +344,6 @@ def gemm1_gated_kernel(
         if GATED:
             acc_u = _k_step(acc_u, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, up_rows, col_ok, stride_wn,
                             stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SPLIT_K > 1:
-        last, acc_g, acc_u = _split_k_sum(acc_g, acc_u, partial_ptr, counter_ptr, GATED, SPLIT_K, BLOCK_M, BLOCK_N)
-        if not last:
-            return
     b_e = bias_ptr + e * stride_be
     lb_e = lora_b_ptr + e * stride_lbe
     gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,

@@ -21,7 +21,7 @@ from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import moe_align
 from .config import GemmConfig, MoEConfig, get_config
-from .device import device_name, sm_count
+from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 
@@ -35,16 +35,6 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 # K step of the LoRA shrink: its N is the rank, so the K loop is all its work and its latency at small M
 # (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
 _SHRINK_BLOCK_K = 128
-# GEMM1 split-K (fused_moe.py): split until there are this many programs per SM, each keeping at least
-# _MIN_SPLIT_STEPS K steps (fewer would spend more on the partials' round trip than they stream), at most
-# _MAX_SPLIT_K ways.
-_SPLIT_PROGRAMS_PER_SM = 4
-_MIN_SPLIT_STEPS = 2
-_MAX_SPLIT_K = 8
-# Per (device, stream): the GEMM1 tiles' split-K counters, zeroed once (each tile's last program re-zeroes
-# its own), so a forward needs no clearing launch; per stream because two forwards in flight at once
-# must not count into the same tiles.
-_SPLIT_COUNTERS: dict = {}
 
 
 def _scheme_flags(scheme: Scheme) -> dict:
@@ -61,32 +51,6 @@ def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
     if scale is None or scale.dim() == 1:
         return 1, 0
     return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
-
-
-def gemm1_split_k(*, tiles: int, k_steps: int, sms: int, int_acc: bool) -> int:
-    """How many ways GEMM1 splits K: 1 unless its `tiles` (the real ones) leave SMs idle. Integer (int8)
-    accumulators are never split: their partials would not fit the fp32 workspace exactly."""
-    if int_acc:
-        return 1
-    wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * sms, tiles)
-    return max(1, min(_MAX_SPLIT_K, wanted, k_steps // _MIN_SPLIT_STEPS))
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _SPLIT_COUNTERS.get((device, stream))
-    if counters is None or counters.numel() < n:
-        counters = _SPLIT_COUNTERS[(device, stream)] = torch.zeros(n, dtype=torch.int32, device=device)
-    return counters
-
-
-def _split_k_kwargs(*, split: int, tiles: int, g1: GemmConfig, block_m: int, device: torch.device,
-                    dummy: torch.Tensor) -> dict:
-    """GEMM1's split-K arguments: the fp32 partials workspace (gate and up per tile and split) and counters."""
-    if split == 1:
-        return dict(partial_ptr=dummy, counter_ptr=dummy, SPLIT_K=1)
-    partials = torch.empty(tiles * split * 2 * block_m * g1.BLOCK_N, dtype=torch.float32, device=device)
-    return dict(partial_ptr=partials, counter_ptr=_split_counters(device, tiles), SPLIT_K=split)
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:
@@ -129,12 +93,11 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
               topk_weights: torch.Tensor, activation: Activation,
               quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
               out_dtype: torch.dtype, config: Optional[MoEConfig] = None,
-              remote_slots: bool = False, swiglu: SwigluParams = SwigluParams(),
-              split_k: Optional[int] = None) -> torch.Tensor:
+              remote_slots: bool = False, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
 
     `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8 or MXFP8).
-    `config` overrides the file/heuristic lookup (the tuner uses it); `split_k` GEMM1's (gemm1_split_k).
+    `config` overrides the file/heuristic lookup (the tuner uses it).
     `remote_slots`: topk_ids may hold -1 (expert on another rank under EP). moe_align drops
     those slots, so the kernels never write their rows; the buffers then start zeroed so the
     rows are neutral for the intermediate's scales and the top-k sum. Off EP they stay empty.
@@ -165,12 +128,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     s13_e, s13_n = _scale_strides(weights.w13_scale)
     interleaved = is_interleaved(activation)
     g1 = cfg.gemm1
-    tiles = align.num_blocks * triton.cdiv(I, g1.BLOCK_N)
-    # At most T*k blocks hold rows (the rest exit at once): the tiles that stream weights.
-    split = split_k or gemm1_split_k(tiles=min(align.num_blocks, T * k) * triton.cdiv(I, g1.BLOCK_N),
-                                     k_steps=triton.cdiv(H, g1.BLOCK_K), sms=sm_count(x_q.device),
-                                     int_acc=flags["ACC_INT"])
-    gemm1_gated_kernel[(tiles, split)](
+    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g1.BLOCK_N),)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
         weights.w13_scale if weights.w13_scale is not None else dummy, bias13, inter,
         align.sorted_ids, align.expert_ids, align.num_post_padded,
@@ -179,8 +137,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         weights.w13.stride(0), weights.w13.stride(1), s13_e, s13_n, bias13.stride(0), inter.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
         **flags, **_launch_kwargs(g1), GATED=weights.gated, **lora1, swiglu_limit=swiglu.limit,
-        swiglu_alpha=swiglu.alpha, **_split_k_kwargs(split=split, tiles=tiles, g1=g1, block_m=cfg.BLOCK_M,
-                                                     device=x_q.device, dummy=dummy))
+        swiglu_alpha=swiglu.alpha)
 
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,

@@ -125,27 +125,3 @@ def test_a_models_swiglu_limit_and_alpha_reach_the_kernel(kernel_id, poison_empt
     assert rel_err(out, reference64(layer, x, ids, w)) < 2e-2
     layer.experts.swiglu = SwigluParams()  # gpt-oss's 7.0 / 1.702: what the kernels hard-coded before
     assert rel_err(out, reference64(layer, x, ids, w)) > 0.2
-
-
-@pytest.mark.parametrize("cell,activation", [("unquantized", Activation.silu),
-                                             ("fp8_w8a8/block128/group128", Activation.swigluoai),
-                                             ("fp8_w8a8/tensor/tensor", Activation.relu2_no_mul),
-                                             ("mxfp4_w4a16/group32", Activation.swigluoai)])
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_triton_split_k_gemm1(cell, activation, split_k, poison_empty):
-    """GEMM1 with K split over programs (the decode path) computes the layer, and again on a second call: each
-    tile's last program re-zeroes the counter it counted on, so the next forward starts from zero."""
-    from moerules.kernels.triton.launch import fused_moe
-    layer = make_layer("triton.fused_moe", cell, activation=activation, dtype=TRITON_DTYPE, bias=True, device=DEVICE)
-    x, ids, w = random_inputs(layer, 5, 2, device=DEVICE)
-    p = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False,
-                                       a13_scale=layer.weights.a13_scale)
-
-    def forward():
-        return fused_moe(p.hidden_q, a_scale=p.a_scale, weights=layer.weights, topk_ids=ids, topk_weights=w,
-                         activation=activation, out_dtype=x.dtype, swiglu=layer.experts.swiglu, split_k=split_k,
-                         quantize_intermediate=lambda t: layer.experts.quantize_gemm_input(
-                             t, static_scale=layer.weights.a2_scale))
-    first = forward()
-    assert rel_err(first, reference64(layer, x, ids, w)) < triton_tol(cell)
-    assert torch.equal(forward(), first)  # the partials are summed in split order: bit-identical

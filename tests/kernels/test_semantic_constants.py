@@ -94,8 +94,10 @@ def test_swigluoai_defaults_compute_gpt_oss_swiglu(source):
     expected = gpt_oss_swiglu(GATE, UP)
     torch_out = apply_activation(_interleave(GATE, UP).double(), Activation.swigluoai, swiglu)
     torch.testing.assert_close(torch_out, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(triton_activation(Activation.swigluoai, GATE, UP, swiglu), expected, rtol=1e-12,
-                               atol=1e-12)
+    # The kernel takes limit and alpha as fp32 scalars (6e-8 relative rounding; 2.3e-8 absolute seen on the H100),
+    # so 1e-6: still a thousand times under what alpha 1.702 -> 1.7 or any limit change moves.
+    torch.testing.assert_close(triton_activation(Activation.swigluoai, GATE, UP, swiglu), expected, rtol=1e-6,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("activation", [a for a in ACTIVATION_CODE if a in TORCH_ACT])

@@ -2,6 +2,7 @@
 
     python bench/moe.py --phase all --out DIR          # on the H100 (see bench/results/README.md)
     python bench/moe.py --phase batched --out DIR      # batched vs standard Triton experts only
+    python bench/moe.py --phase bench --baseline OLD/results.json --out DIR   # + each point's ratio to OLD
     TRITON_INTERPRET=1 python bench/moe.py --smoke     # tiny CPU dry run of the same code paths
 
 Phase `batched` times `triton.batched_moe` behind `local_batched` against `triton.fused_moe` behind
@@ -22,6 +23,10 @@ call), in CUDA-graph replay and eager. Floor (reference section 3.2):
     weights are upcast to bf16), the fp8 rate for fp8 and mxfp8 (fp8 MMA with the e8m0 scales
     applied per 32-wide K step is possible on Hopper; that is what our kernel does).
 MX schemes are timed at M in MX_M_LIST by default (gpt-oss mxfp4 is memory-bound up to M~2300).
+Launches: the GPU operations (kernels, memsets, copies) one eager forward enqueues, from the profiler's
+device trace; 4 of them (the top-k range check's min, max and two device-to-host copies) are eager-only,
+a captured graph skips them. --baseline: a results.json of an earlier run (the previous commit's, or the old code timed
+in the same device session); each point gets baseline µs / this µs (> 1: faster now) and the old launches.
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
+
+
+def count_launches(fn) -> int:
+    """GPU operations (kernels, memsets, copies) one call of fn enqueues, from the profiler's device trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()  # compiles outside the trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == DeviceType.CUDA for e in prof.events())
 
 
 def time_us(fn, *, graph: bool, rep: int = 100) -> float:
@@ -93,13 +110,16 @@ MODELS = {
 SMOKE_MODELS = {"tiny": Model(8, 2, 256, 128, Activation.silu, False),
                 "tiny-oss": Model(16, 4, 160, 96, Activation.swigluoai, True)}
 TIMED_SCHEMES = {"bf16": QuantConfig(),
+                 # vLLM's online FP8 (--quantization fp8): per-tensor weights, dynamic per-tensor activations.
+                 "fp8_tensor": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.tensor,
+                                           activation_granularity=G.tensor),
                  "fp8_rowwise": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.channel,
                                             activation_granularity=G.token),
                  "fp8_block": QuantConfig(family=F.fp8_w8a8, weight_granularity=G.block128),
                  "mxfp4": QuantConfig(family=F.mxfp4_w4a16),
                  "mxfp8": QuantConfig(family=F.mxfp8)}
 # Bytes per weight element, scales included (docstring), and which MMA rate bounds the scheme.
-WEIGHT_BYTES = {"bf16": 2.0, "fp8_rowwise": 1.0, "fp8_block": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32,
+WEIGHT_BYTES = {"bf16": 2.0, "fp8_tensor": 1.0, "fp8_rowwise": 1.0, "fp8_block": 1.0 + 4 / 128 ** 2, "mxfp4": 0.5 + 1 / 32,
                 "mxfp8": 1.0 + 1 / 32}
 BF16_RATE = {"bf16", "mxfp4"}
 M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
@@ -405,7 +425,7 @@ class Bench:
         return best
 
     def timed_schemes(self, name: str):
-        names = ["bf16", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else []) + \
+        names = ["bf16", "fp8_tensor", "fp8_rowwise"] + (["fp8_block"] if name in ("deepseek-v3", "tiny") else []) + \
             (["mxfp4", "mxfp8"] if name in ("gpt-oss-120b", "tiny-oss") else [])
         return [n for n in names if not self.args.schemes or n in self.args.schemes]
 
@@ -419,8 +439,16 @@ class Bench:
         peak = c["bf16_TFLOPs"] if sname in BF16_RATE else c["fp8_TFLOPs"]
         return max(nbytes / (c["copy_TBps"] * 1e12), flops / (peak * 1e12)) * 1e6, nbytes, flops
 
+    def baseline(self) -> dict:
+        """(model, scheme, M) -> the row of --baseline's results.json (empty without one)."""
+        if not self.args.baseline:
+            return {}
+        rows = json.loads(Path(self.args.baseline).read_text())["bench"]
+        return {(r["model"], r["scheme"], r["M"]): r for r in rows}
+
     def bench(self):
         rows = []
+        baseline = self.baseline()
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
@@ -444,6 +472,8 @@ class Bench:
                                 self.log(f"OOM {name} {sname} {lname} M={M} {mode}")
                                 continue
                             row[f"{lname}_{mode}_us"] = t
+                        if not self.smoke:
+                            row[f"{lname}_launches"] = count_launches(fn)
                         gc.collect()
                         if not self.smoke:
                             torch.cuda.empty_cache()
@@ -454,6 +484,11 @@ class Bench:
                     if t and row.get("grouped_mm_graph_us"):
                         row["speedup_vs_grouped_mm"] = row["grouped_mm_graph_us"] / t
                         row["grouped_mm_pct_floor"] = 100 * floor / row["grouped_mm_graph_us"]
+                    old = baseline.get((name, sname, M), {})
+                    if t and old.get("triton_graph_us"):
+                        row["vs_baseline"] = old["triton_graph_us"] / t
+                    if "triton_launches" in old:
+                        row["baseline_launches"] = old["triton_launches"]
                     rows.append(row)
                     self.log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
                     self.results["bench"] = rows
@@ -513,15 +548,20 @@ class Bench:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
-        lines = ["| model | scheme | M | floor µs | triton graph µs | % floor | TB/s | TFLOP/s | triton eager µs "
-                 "| grouped_mm graph µs | gmm % floor | triton speedup |", "|" + "---|" * 12]
+        lines = ["| model | scheme | M | floor µs | triton graph µs | % floor | launches | vs baseline | TB/s | TFLOP/s "
+                 "| triton eager µs | grouped_mm graph µs | gmm % floor | triton speedup |", "|" + "---|" * 14]
 
         def f(r, k, fmt):
             return format(r[k], fmt) if k in r else "–"
+
+        def launches(r):
+            """This run's launches, and the baseline's where it counted them and they differ."""
+            now, old = r.get("triton_launches", "–"), r.get("baseline_launches", "–")
+            return f"{now} (was {old})" if old not in ("–", now) else str(now)
         for r in rows:
             lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | {r['floor_us']:.1f} | "
                          f"{f(r, 'triton_graph_us', '.1f')} | {f(r, 'triton_pct_floor', '.0f')} | "
-                         f"{f(r, 'triton_TBps', '.2f')} | {f(r, 'triton_TFLOPs', '.0f')} | "
+                         f"{launches(r)} | {f(r, 'vs_baseline', '.2f')} | {f(r, 'triton_TBps', '.2f')} | {f(r, 'triton_TFLOPs', '.0f')} | "
                          f"{f(r, 'triton_eager_us', '.1f')} | {f(r, 'grouped_mm_graph_us', '.1f')} | "
                          f"{f(r, 'grouped_mm_pct_floor', '.0f')} | {f(r, 'speedup_vs_grouped_mm', '.2f')} |")
         (self.out / "bench.md").write_text("\n".join(lines) + "\n")
@@ -544,6 +584,7 @@ def main(argv=None):
     p.add_argument("--install-configs", action="store_true", help="tune: also write into kernels/configs/")
     p.add_argument("--refine", action="store_true", help="tune: local search around the configs in use")
     p.add_argument("--schemes", nargs="+", choices=list(TIMED_SCHEMES), help="tune/bench only these schemes")
+    p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")

@@ -24,21 +24,10 @@ import torch
 from moerules.quant import Granularity
 
 from .mx import FP4_STORAGE, dequantize_mx, quantize_mx
+from .qrange import qmax, scale_from_amax
 from .scheme import QUANT_BLOCK
 
 G = Granularity
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-INT8_MAX = 127.0
-# Keeps an all-zero group from producing a zero scale (and then 0/0 on quantisation).
-_MIN_SCALE = 1e-10
-
-
-def qmax(dtype: torch.dtype) -> float:
-    if dtype == torch.float8_e4m3fn:
-        return FP8_MAX
-    if dtype == torch.int8:
-        return INT8_MAX
-    raise ValueError(f"no quantised range for dtype {dtype}")
 
 
 def cast_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,10 +37,6 @@ def cast_saturated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.int8:
         x = torch.trunc(x + 0.5 * torch.sign(x))
     return x.to(dtype)
-
-
-def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (amax.float() / qmax(dtype)).clamp_min(_MIN_SCALE)
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +67,7 @@ def _nan_where_not_finite(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def tensor_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The [1] dynamic per-tensor scale for an amax found elsewhere (e.g. agreed over EP ranks)."""
-    return _scale_from_amax(amax, dtype).reshape(1)
+    return scale_from_amax(amax, dtype).reshape(1)
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -101,8 +86,8 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
     """Quantise activations [T, K]; returns (q [T, K], scale in the layout of the module doc).
 
     A static scale is only meaningful per tensor; passing one skips the amax pass.
-    On CUDA the per-token and group paths run as one Triton kernel (they are on the hot path
-    of every W8A8 forward, twice); elsewhere, and for the per-tensor amax, torch is used.
+    On CUDA every granularity runs in Triton (triton/quant.py: one or two launches; this is on the hot
+    path of every W8A8 forward, twice); elsewhere torch computes the same values.
     """
     if x.dim() != 2:
         raise ValueError(f"activations must be [tokens, hidden], got shape {tuple(x.shape)}")
@@ -122,13 +107,13 @@ def quantize_activation(x: torch.Tensor, *, dtype: torch.dtype, granularity: Gra
         if static_scale is not None:
             scale = static_scale.float().reshape(1)
         else:
-            scale = _scale_from_amax(finite_amax(xf), dtype).reshape(1)
+            scale = scale_from_amax(finite_amax(xf), dtype).reshape(1)
         return _nan_where_not_finite(cast_saturated(xf / scale, dtype), xf), scale
     if granularity == G.token:
-        scale = _scale_from_amax(xf.abs().amax(dim=1), dtype) if x.shape[1] else torch.ones(x.shape[0])
+        scale = scale_from_amax(xf.abs().amax(dim=1), dtype) if x.shape[1] else torch.ones(x.shape[0])
         return cast_saturated(xf / scale[:, None], dtype), scale
     groups = _group_view(xf)
-    scale = _scale_from_amax(groups.abs().amax(dim=-1), dtype)
+    scale = scale_from_amax(groups.abs().amax(dim=-1), dtype)
     q = cast_saturated(groups / scale[..., None], dtype).flatten(-2)[:, :x.shape[1]]
     return q.contiguous(), scale
 
@@ -148,7 +133,7 @@ def quantize_activation_batched(x: torch.Tensor, *, expert_num_tokens: torch.Ten
     E, M, K = x.shape
     if granularity == G.tensor and static_scale is None:
         valid = torch.arange(M, device=x.device)[None, :] < expert_num_tokens.to(x.device)[:, None]
-        static_scale = _scale_from_amax(finite_amax(torch.where(valid[..., None], x.float(), 0.0)), dtype).reshape(1)
+        static_scale = scale_from_amax(finite_amax(torch.where(valid[..., None], x.float(), 0.0)), dtype).reshape(1)
     q, scale = quantize_activation(x.reshape(E * M, K), dtype=dtype, granularity=granularity,
                                    static_scale=static_scale)
     return q.view(E, M, K), (scale if granularity == G.tensor else scale.view(E, M, *scale.shape[1:]))
@@ -175,14 +160,14 @@ def quantize_weight(w: torch.Tensor, *, dtype: torch.dtype,
         return quantize_mx(w, fp4=dtype == FP4_STORAGE)
     wf = w.float()
     if granularity == G.tensor:
-        scale = _scale_from_amax(wf.abs().amax(dim=(1, 2)), dtype)
+        scale = scale_from_amax(wf.abs().amax(dim=(1, 2)), dtype)
         return cast_saturated(wf / scale[:, None, None], dtype), scale
     if granularity == G.channel:
-        scale = _scale_from_amax(wf.abs().amax(dim=2), dtype)
+        scale = scale_from_amax(wf.abs().amax(dim=2), dtype)
         return cast_saturated(wf / scale[:, :, None], dtype), scale
     if granularity == G.block128:
         blocks = _block_view(wf)
-        scale = _scale_from_amax(blocks.abs().amax(dim=(2, 4)), dtype)
+        scale = scale_from_amax(blocks.abs().amax(dim=(2, 4)), dtype)
         q = cast_saturated(blocks / scale[:, :, None, :, None], dtype)
         return _unblock(q, w.shape), scale
     raise ValueError(f"weight granularity {granularity.value!r} is not implemented")

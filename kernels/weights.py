@@ -27,7 +27,8 @@ from moerules.quant import Granularity, QuantConfig, QuantFamily
 
 from .lora import LoRAWeights
 from .mx import E8M0_BIAS, MX_GROUP
-from .quantize import FP8_MAX, quantize_weight
+from .qrange import FP8_MAX
+from .quantize import quantize_weight
 from .scheme import QUANT_BLOCK, TORCH_DTYPE, Scheme
 
 # Static activation scales for the random layers below. Their inputs are unit-variance, so

@@ -29,14 +29,14 @@ import triton.language as tl
 from moerules.activation import Activation, SwigluParams
 
 from ..activations import is_interleaved
-from ..quantize import _scale_from_amax, cast_saturated, qmax
+from ..qrange import qmax, scale_from_amax
+from ..quantize import cast_saturated
 from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
 from .config import MoEConfig, batched_config, check_batched_config
 from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _k_step, _tile_coords
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
-
-FP32_MAX = tl.constexpr(3.4028234663852886e38)  # globals used in @jit must be tl.constexpr objects
+from .quant import _finite_abs
 
 
 @triton.jit
@@ -77,8 +77,7 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
 def _fold_amax(amax_ptr, row_index, row_ok, absval, group, num_groups, AMAX: tl.constexpr):
     """Atomic-max a tile's |values| into the amax of the tensor (1), of each row (2) or of each row's group (3)."""
     if AMAX == 1:  # per tensor: non-finite values stay out of the amax (quantize.finite_amax, the NaN policy)
-        finite = tl.where(absval <= FP32_MAX, absval, 0.0)   # NaN and Inf compare False
-        tl.atomic_max(amax_ptr, tl.max(tl.max(finite, axis=1), axis=0))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(_finite_abs(absval), axis=1), axis=0))
     elif AMAX == 2:
         tl.atomic_max(amax_ptr + row_index, tl.max(absval, axis=1), mask=row_ok)
     else:
@@ -256,7 +255,7 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
 
     inter_q, inter_scale = inter, None
     if requant:
-        inter_scale = weights.a2_scale.float().reshape(1) if static else _scale_from_amax(amax, scheme.act_torch_dtype)
+        inter_scale = weights.a2_scale.float().reshape(1) if static else scale_from_amax(amax, scheme.act_torch_dtype)
         inter_q = _quantize_rows(inter, inter_scale, counts, scale_code, scheme.act_torch_dtype, cfg.BLOCK_M)
 
     i_se, i_sm = _row_scale_strides(inter_scale, per_tensor)

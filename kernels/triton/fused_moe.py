@@ -43,10 +43,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import mx, scheme
+
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
-SCALE_BLOCK = tl.constexpr(128)
-MX_GROUP = tl.constexpr(32)
+# The scale layouts of quantize.py, as the constexprs jit code needs.
+SCALE_BLOCK = tl.constexpr(scheme.QUANT_BLOCK)
+MX_GROUP = tl.constexpr(mx.MX_GROUP)
 
 
 @triton.jit

@@ -7,7 +7,6 @@ add the expand.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import torch
@@ -22,6 +21,7 @@ from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import moe_align
 from .config import GemmConfig, MoEConfig, get_config
+from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 
@@ -115,7 +115,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
     cfg = config or get_config(num_tokens=T, num_experts=E, intermediate=I, top_k=k, scheme=scheme,
-                               in_dtype_name=weights.in_dtype.value, device_name=_device_name(x_q.device))
+                               in_dtype_name=weights.in_dtype.value, device_name=device_name(x_q.device))
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
     flags = _scheme_flags(scheme)
     dummy = weights.w13
@@ -155,12 +155,3 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         weights.w2.stride(0), weights.w2.stride(1), s2_e, s2_n, bias2.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2), **lora2)
     return out.view(T, k, H).sum(dim=1) if k > 1 else out
-
-
-def _device_name(device: torch.device) -> str:
-    return _cuda_name(device.index or 0) if device.type == "cuda" else "cpu"
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)  # a driver call; not on every forward

@@ -1,12 +1,21 @@
-"""Dynamic activation quantisation in one Triton pass per (row, group).
+"""Dynamic (and static per-tensor) activation quantisation in Triton: few launches, one HBM read per element.
 
-Per-token and 1x128-group scales need the amax of a row slice before any element can be
-quantised. One program owns one slice, so the amax and the quantisation are two loops
-over data that is still in L1/L2: one HBM read and one write per element, against the
-four or five full passes of the torch expression.
+Per tensor: the amax is a reduction over the whole tensor, so it cannot come from the program that
+quantises an element. Tensors of at most `_SINGLE_TILE` elements (decode-sized inputs and
+intermediates) are one program: it reduces its tile and quantises the same tile, still in L1, in one
+launch. Larger ones take two: a grid-stride pass writes one partial amax per program (a few hundred
+floats, no atomics, so nothing to zero between calls and nothing shared across streams), then every
+program of the grid-stride quantise pass reduces those partials to the scale itself. The torch
+expression it replaces (abs, where, amax, divide, clamp, then the quantise kernel) was five or six
+launches, and torch's reduction runs on few CTAs at small sizes.
 
-MX (1x32 groups, e8m0 scales) has its own kernel: a group is only 32 elements, so one program
-takes a [GROUPS, 32] tile of a row and reduces each group in registers.
+Per 1x128 group and per MX 1x32 group: one program holds GROUPS whole groups of one row as a
+[GROUPS, GROUP] tile and reduces each group in registers, so the amax and the quantisation read the
+data once (one program per 128-element group, in two loops, cost DeepSeek-V3 360 us more per forward at
+M=4096 on the H100: bench/results/quant).
+
+Per token: one program per row, the amax and the quantisation as two loops over the row (the second
+read hits L1/L2).
 """
 
 from __future__ import annotations
@@ -20,99 +29,180 @@ import triton.language as tl
 from moerules.quant import Granularity
 
 from ..mx import E4M3_EMAX, E8M0_BIAS, E8M0_MAX, E8M0_MIN, MX_GROUP
-from ..quantize import _MIN_SCALE, finite_amax, qmax, tensor_scale_from_amax
+from ..qrange import MIN_SCALE, qmax
 from ..scheme import QUANT_BLOCK
+from .device import sm_count
 
+G = Granularity
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # NaN and Inf compare False against it
+# Per tensor: the largest tensor one program quantises alone, and the elements per grid-stride step.
+_SINGLE_TILE = 16384
+_TENSOR_BLOCK = 4096
+# Per tensor: programs per SM of the grid-stride passes (enough loads in flight to stream HBM).
+_PROGRAMS_PER_SM = 4
+# Groups per program of the group kernel, by group size: 16 x 128 and 32 x 32 elements.
+_GROUPS_PER_PROGRAM = {QUANT_BLOCK: 16, MX_GROUP: 32}
 
 
 @triton.jit
-def _slice_amax(x_row, start, end, BLOCK: tl.constexpr):
+def _finite_abs(x):
+    """|x|, with NaN and Inf counted as 0: the per-tensor NaN policy of quantize.finite_amax."""
+    a = tl.abs(x)
+    return tl.where(a <= FP32_MAX, a, 0.0)
+
+
+@triton.jit
+def _saturate(x, scale, q_max, TO_INT8: tl.constexpr):
+    """x / scale clamped to the quantised range; int8 rounds half away from zero, as the torch path."""
+    y = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
+    if TO_INT8:
+        y = tl.where(y >= 0, y + 0.5, y - 0.5)
+    return y
+
+
+@triton.jit
+def _tensor_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    """partial[p] = the finite amax of the BLOCK-wide chunks p, p + P, p + 2P, ... of x (P programs)."""
+    pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(start, end, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    return tl.max(amax, axis=0)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, _finite_abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    tl.store(partial_ptr + pid, tl.max(amax, axis=0))
 
 
 @triton.jit
-def _quantize_slice_kernel(x_ptr, q_ptr, scale_ptr, K, slice_len, stride_xm, stride_qm, stride_sm, q_max, min_scale,
-                           FIXED_SCALE: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    start = part * slice_len
-    end = tl.minimum(start + slice_len, K)
-    x_row = x_ptr + row * stride_xm
-    if FIXED_SCALE:
+def _tensor_quant_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, n, num_partials, q_max, min_scale,
+                         STATIC: tl.constexpr, PARTIALS: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """q = saturate(x / scale) over a grid-stride loop; a non-finite x gives NaN (fp8).
+
+    The scale: loaded (STATIC); else the amax of the num_partials partials (PARTIALS, a power of two, covers
+    them); else (PARTIALS == 0) the amax of x itself, which this single program holds in one BLOCK tile.
+    """
+    pid = tl.program_id(0)
+    if STATIC:
         scale = tl.load(scale_ptr)
     else:
-        scale = tl.maximum(_slice_amax(x_row, start, end, BLOCK) / q_max, min_scale)
-        tl.store(scale_ptr + row * stride_sm + part, scale)
-    for k in range(start, end, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        mask = offs < end
-        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
-        if FIXED_SCALE and not TO_INT8:  # the per-tensor NaN policy (quantize.py): non-finite x -> NaN
+        if PARTIALS == 0:
+            offs = tl.arange(0, BLOCK)
+            amax = tl.max(_finite_abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)), axis=0)
+        else:
+            parts = tl.arange(0, PARTIALS)
+            amax = tl.max(tl.load(partial_ptr + parts, mask=parts < num_partials, other=0.0), axis=0)
+        scale = tl.maximum(amax / q_max, min_scale)
+        if pid == 0:
+            tl.store(scale_ptr, scale)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _saturate(x, scale, q_max, TO_INT8)
+        if not TO_INT8:  # the per-tensor NaN policy (quantize.py): non-finite x -> NaN
             y = tl.where(tl.abs(x) <= FP32_MAX, y, x * 0.0)
-        if TO_INT8:
-            y = tl.where(y >= 0, y + 0.5, y - 0.5)  # round half away from zero, as the torch path
-        tl.store(q_ptr + row * stride_qm + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _quantize_mx_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, q_max,
-                        EMAX: tl.constexpr, BIAS: tl.constexpr, S_MIN: tl.constexpr, S_MAX: tl.constexpr,
-                        GROUPS: tl.constexpr, GROUP: tl.constexpr):
-    """e8m0 scales per 1x32 group and the fp8 elements, with the rounding rule of mx.py."""
+def _token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, q_max, min_scale,
+                        TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: scale = amax(row) / q_max, then q = saturate(row / scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / q_max, min_scale)
+    tl.store(scale_ptr + row, scale)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_qm + offs, _saturate(x, scale, q_max, TO_INT8).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _e8m0_of(amax, EMAX: tl.constexpr, BIAS: tl.constexpr, S_MIN: tl.constexpr, S_MAX: tl.constexpr):
+    """(e8m0 byte, 1 / scale) of group amaxes, with the rounding rule of mx.py."""
+    # floor(log2(amax)) + 127 is the fp32 exponent field (0 for zero and subnormal amax: clamped to S_MIN).
+    biased = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - EMAX
+    s = tl.where(amax > 0, tl.minimum(tl.maximum(biased, S_MIN), S_MAX), BIAS)
+    return s, ((2 * BIAS - s) << 23).to(tl.float32, bitcast=True)  # 2^(127 - s): exact, no division
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, q_max, min_scale,
+                        MX: tl.constexpr, TO_INT8: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
+                        S_MIN: tl.constexpr, S_MAX: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """GROUPS consecutive groups of GROUP elements of one row: a scale per group, then the elements.
+
+    MX: e8m0 (uint8) power-of-two scales (mx.py's rule); else fp32 scales amax / q_max.
+    """
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = k < K
     x = tl.load(x_ptr + row * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    # floor(log2(amax)) + 127 is the fp32 exponent field (0 for zero and subnormal amax: clamped to S_MIN).
-    biased = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - EMAX
-    s = tl.where(amax > 0, tl.minimum(tl.maximum(biased, S_MIN), S_MAX), BIAS)
-    inv = ((2 * BIAS - s) << 23).to(tl.float32, bitcast=True)  # 2^(127 - s): exact, no division
-    y = tl.minimum(tl.maximum(x * inv[:, None], -q_max), q_max)
+    if MX:
+        s, inv = _e8m0_of(amax, EMAX, BIAS, S_MIN, S_MAX)
+        y = tl.minimum(tl.maximum(x * inv[:, None], -q_max), q_max)
+        stored = s.to(tl.uint8)
+    else:
+        stored = tl.maximum(amax / q_max, min_scale)
+        y = _saturate(x, stored[:, None], q_max, TO_INT8)
     tl.store(q_ptr + row * stride_qm + k, y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * stride_sm + g, s.to(tl.uint8), mask=g * GROUP < K)
+    tl.store(scale_ptr + row * stride_sm + g, stored, mask=g * GROUP < K)
 
 
-def _quantize_mx(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _quantize_tensor(x: torch.Tensor, q: torch.Tensor, static_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    n = x.numel()
+    single = n <= _SINGLE_TILE
+    block = max(16, triton.next_power_of_2(n)) if single else _TENSOR_BLOCK
+    programs = 1 if single else min(triton.cdiv(n, block), _PROGRAMS_PER_SM * sm_count(x.device))
+    scale, partials, num_partials = torch.empty(1, dtype=torch.float32, device=x.device), x, 0
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1).contiguous()
+    elif not single:
+        partials = torch.empty(programs, dtype=torch.float32, device=x.device)
+        _tensor_amax_kernel[(programs,)](x, partials, n, BLOCK=block)
+        num_partials = programs
+    _tensor_quant_kernel[(programs,)](
+        x, q, scale, partials, n, num_partials, qmax(q.dtype), MIN_SCALE, STATIC=static_scale is not None,
+        PARTIALS=triton.next_power_of_2(num_partials) if num_partials else 0, TO_INT8=q.dtype == torch.int8,
+        BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+    return scale
+
+
+def _quantize_tokens(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
-    groups = triton.cdiv(K, MX_GROUP)
-    scale = torch.empty(T, groups, dtype=torch.uint8, device=x.device)
-    per_program = min(32, triton.next_power_of_2(groups))
-    _quantize_mx_kernel[(T, triton.cdiv(groups, per_program))](
-        x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), qmax(q.dtype), EMAX=E4M3_EMAX, BIAS=E8M0_BIAS,
-        S_MIN=E8M0_MIN, S_MAX=E8M0_MAX, GROUPS=per_program, GROUP=MX_GROUP)
+    scale = torch.empty(T, dtype=torch.float32, device=x.device)
+    _token_quant_kernel[(T,)](x, q, scale, K, x.stride(0), q.stride(0), qmax(q.dtype), MIN_SCALE,
+                              TO_INT8=q.dtype == torch.int8, BLOCK=min(1024, triton.next_power_of_2(K)))
+    return scale
+
+
+def _quantize_groups(x: torch.Tensor, q: torch.Tensor, group: int) -> torch.Tensor:
+    T, K = x.shape
+    mx = group == MX_GROUP
+    groups = triton.cdiv(K, group)
+    scale = torch.empty(T, groups, dtype=torch.uint8 if mx else torch.float32, device=x.device)
+    per_program = min(_GROUPS_PER_PROGRAM[group], triton.next_power_of_2(groups))
+    _group_quant_kernel[(T, triton.cdiv(groups, per_program))](
+        x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), qmax(q.dtype), MIN_SCALE, MX=mx,
+        TO_INT8=q.dtype == torch.int8, EMAX=E4M3_EMAX, BIAS=E8M0_BIAS, S_MIN=E8M0_MIN, S_MAX=E8M0_MAX,
+        GROUPS=per_program, GROUP=group)
     return scale
 
 
 def quantize_activation_triton(x: torch.Tensor, *, dtype: torch.dtype, granularity: Granularity,
                                static_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    T, K = x.shape
+    """quantize.quantize_activation on the GPU (same arguments, checked there; same layouts and rounding)."""
     x = x.contiguous()
     q = torch.empty_like(x, dtype=dtype)
-    if granularity == Granularity.group32:
-        return q, _quantize_mx(x, q)
-    if granularity == Granularity.tensor:
-        if static_scale is not None:
-            scale = static_scale.float().reshape(1).contiguous()
-        else:
-            scale = tensor_scale_from_amax(finite_amax(x), dtype)
-        slice_len, parts, fixed = K, 1, True
-    elif granularity == Granularity.token:
-        slice_len, parts, fixed = K, 1, False
-        scale = torch.empty(T, dtype=torch.float32, device=x.device)
-    else:
-        slice_len, parts, fixed = QUANT_BLOCK, triton.cdiv(K, QUANT_BLOCK), False
-        scale = torch.empty(T, parts, dtype=torch.float32, device=x.device)
-    block = min(1024, triton.next_power_of_2(slice_len))
-    _quantize_slice_kernel[(T, parts)](x, q, scale, K, slice_len, x.stride(0), q.stride(0),
-                                      scale.stride(0) if scale.dim() == 2 else 1, qmax(dtype), _MIN_SCALE,
-                                      FIXED_SCALE=fixed, TO_INT8=dtype == torch.int8, BLOCK=block)
-    return q, scale
+    if granularity == G.tensor:
+        return q, _quantize_tensor(x, q, static_scale)
+    if granularity == G.token:
+        return q, _quantize_tokens(x, q)
+    return q, _quantize_groups(x, q, MX_GROUP if granularity == G.group32 else QUANT_BLOCK)

@@ -98,11 +98,12 @@ def test_the_per_tensor_amax_leaves_non_finite_values_out():
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter converts fp32 NaN to a finite fp8 byte")
 @pytest.mark.parametrize("static", [False, True])
-def test_the_triton_per_tensor_quantiser_maps_non_finite_values_to_nan(static):
+@pytest.mark.parametrize("rows", [6, 1000])  # one program; the grid-stride partial amax and quantise passes
+def test_the_triton_per_tensor_quantiser_maps_non_finite_values_to_nan(static, rows):
     """The CUDA path (quantize_activation_triton): NaN exactly where x is not finite, and a dynamic scale
     from the finite values only."""
-    x = torch.randn(6, 40, device=DEVICE)
-    x[1, 3], x[4, 0], x[4, 9] = float("nan"), float("inf"), float("-inf")
+    x = torch.randn(rows, 40, device=DEVICE)
+    x[1, 3], x[4, 0], x[-1, 9] = float("nan"), float("inf"), float("-inf")
     static_scale = torch.tensor([0.01], device=DEVICE) if static else None
     q, scale = quantize_activation_triton(x, dtype=torch.float8_e4m3fn, granularity=Granularity.tensor,
                                           static_scale=static_scale)

@@ -8,20 +8,20 @@ import json
 import os
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
 from pydantic import ValidationError
 
-from moerules import __version__
 from moerules.config import MoEConfig
 from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError, TableFileError
-from moerules.engine.config_flags import add_config_flags, flag_sections
 from moerules.engine.loader import structure_error
 from moerules.engine.textfile import is_folder, is_regular_file, read_text
 from moerules.engine.yamlsource import YamlDocument
 from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS, MAX_SEED, MAX_TABLE_BYTES
 from moerules.presets import PRESETS, preset
+from moerules.tools.cli.flags import add_config_flags, flag_sections
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
 INTERRUPTED = 130  # the shell's code for Ctrl-C
@@ -121,7 +121,7 @@ def build_config(args) -> MoEConfig:
     flags = _flags_to_sections(args)
     data = _merge(data, flags)
     if args.detect:
-        from moerules.engine.detect import detect, detect_switches
+        from moerules.tools.detect import detect, detect_switches
         data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm", "cpu_amx"})
         data["switches"] = detect_switches().model_dump()
     try:
@@ -213,7 +213,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    from moerules.engine import lint
+    from moerules.tools import lint
     report, ruleset = lint.static_checks(args.rules)
     static = len(report.findings)
     if not args.json and report.lines():  # static findings first: coverage takes a while
@@ -231,7 +231,7 @@ def cmd_lint(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from moerules.engine import schema_export
+    from moerules.tools import schema_export
     from moerules.resources import schema_dir
     out = Path(args.out) if args.out else schema_dir()
     if args.check:
@@ -248,12 +248,12 @@ def cmd_schema(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from moerules.run import run_example
+    from moerules.tools.cli.run import run_example
     decision = _decision(args)
     print(decision.describe())
     if decision.outcome.value != "selected":
         return UNSUPPORTED
-    from moerules.run import RUN_STAGES
+    from moerules.tools.cli.run import RUN_STAGES
     with _progress(args, RUN_STAGES, "run") as bar:
         report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device,
                              max_gib=args.max_gib, stage=bar.stage)
@@ -264,7 +264,7 @@ def cmd_run(args) -> int:
 
 @contextlib.contextmanager
 def _progress(args, total: int, label: str):
-    from moerules.engine.progress import progress
+    from moerules.tools.progress import progress
     bar = progress(total, label, quiet=args.quiet)
     try:
         yield bar
@@ -273,7 +273,7 @@ def _progress(args, total: int, label: str):
 
 
 def _pool_options(args, bar) -> dict:
-    from moerules.engine.decision_cache import default_root
+    from moerules.tools.decision_cache import default_root
     root = None if args.no_cache else Path(args.cache) if args.cache else default_root()
     if args.cache and not args.no_cache:
         _check_writable_folder(root)
@@ -281,12 +281,12 @@ def _pool_options(args, bar) -> dict:
 
 
 def _matrix_cells(ruleset) -> list:
-    from moerules.engine import matrix
+    from moerules.tools import matrix
     return list(matrix.cells(ruleset.backends))
 
 
 def cmd_matrix(args) -> int:
-    from moerules.engine import matrix, matrix_golden
+    from moerules.tools import matrix, matrix_golden
     from moerules.engine.decide import engine_for
     out = Path(args.out)
     golden = out / "decisions"
@@ -318,7 +318,7 @@ def cmd_matrix(args) -> int:
 
 
 def _write_matrix_page(args, engine, page: Path) -> Path:
-    from moerules.engine import matrix_html
+    from moerules.tools import matrix_html
     cells = matrix_html.page_cells()
     with _progress(args, len(cells), "matrix page") as bar:
         explained = matrix_html.build(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
@@ -327,8 +327,8 @@ def _write_matrix_page(args, engine, page: Path) -> Path:
 
 
 def cmd_diff(args) -> int:
-    from moerules.engine import matrix
-    from moerules.engine.ruleset_source import resolve
+    from moerules.tools import matrix
+    from moerules.tools.ruleset_source import resolve
     old, new = resolve(args.old), resolve(args.new)
     cells = [] if args.no_matrix else list(matrix.cells({**old.backends, **new.backends}))
     cells += list(matrix.random_cells(args.random, args.seed))
@@ -353,7 +353,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_mutate(args) -> int:
-    from moerules.engine import mutate
+    from moerules.tools import mutate
     from moerules.engine.loader import load_rules
     ruleset = load_rules(args.rules)
     if args.report:
@@ -377,9 +377,9 @@ def cmd_mutate(args) -> int:
 
 
 def cmd_conformance(args) -> int:
-    from moerules.engine import conformance, matrix
+    from moerules.tools import conformance, matrix
     from moerules.engine.loader import load_rules
-    from moerules.engine.vllm_oracle import VLLM_VERSION, VllmOracle, vllm_family
+    from moerules.tools.vllm_oracle import VLLM_VERSION, VllmOracle, vllm_family
     ruleset = load_rules(args.rules)
     out = Path(args.out)
     committed = out / "conformance.csv"
@@ -454,7 +454,7 @@ SAMPLE = bounded_int(1, 10 ** 9)
 DEBUG_HELP = "show the traceback of any error (for bug reports)"
 
 
-# Options of the commands that take a config (decide, explain, run, moerules.launch): a config field
+# Options of the commands that take a config (decide, explain, run, moerules.tools.cli.launch): a config field
 # of the same name gets its section as a prefix instead.
 _OWN_OPTIONS = frozenset({"--model", "--hf-config", "--hf-layer", "--platform", "--detect", "--rules", "--engine",
                           "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib",
@@ -463,7 +463,7 @@ _CONFIG_USAGE = ("moerules {} [CONFIG | --model PRESET | --hf-config PATH] [--pl
                  "       [--FIELD VALUE ...] [options]   (a flag per MoEConfig field: see below)")
 
 
-def _config_arguments(parser: argparse.ArgumentParser) -> None:
+def config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
     parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
     parser.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its model folder): the "
@@ -507,12 +507,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
         " Decide, explain and run the fused-MoE kernel backend for a layer."))
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    parser.add_argument("--version", action="version", version=f"moerules {__version__}")
+    parser.add_argument("--version", action="version", version=f"moerules {metadata.version('moerules')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, func, text in (("decide", cmd_decide, "print the decision as one line (or --json)"),
                              ("explain", cmd_explain, "winner, alternatives and every rejection with rule and file:line")):
         sub = commands.add_parser(name, help=text, description=text, usage=_CONFIG_USAGE.format(name))
-        _config_arguments(sub)
+        config_arguments(sub)
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
         if name == "explain":
             sub.add_argument("--all", action="store_true", help="every rejection of every component, dispatchers "
@@ -587,7 +587,7 @@ def make_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               usage=_CONFIG_USAGE.format("run"),
                               description="decide, build the layer with seeded weights, run one forward pass")
-    _config_arguments(run)
+    config_arguments(run)
     run.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=16,
                      help="tokens in the forward pass (default 16)")
     run.add_argument("--seed", type=SEED, default=0)

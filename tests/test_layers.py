@@ -25,7 +25,8 @@ LAYERS = ("vocabulary", "engine", "kernels", "tools")
 # The one cycle another change owns (the quantisers are being rewritten); nothing else may join it.
 KNOWN_CYCLE = {"moerules.kernels.quantize", "moerules.kernels.triton.quant"}
 # Private names of the quantisers that the same rewrite removes.
-KNOWN_PRIVATE = {("moerules.kernels.triton.batched", "_scale_from_amax"), ("moerules.kernels.triton.quant", "_MIN_SCALE")}
+KNOWN_PRIVATE = {("moerules.kernels.triton.batched", "_scale_from_amax"),
+                 ("moerules.kernels.triton.quant", "_MIN_SCALE")}
 
 
 def module_name(path: Path) -> str:
@@ -55,7 +56,8 @@ def typing_only(tree: ast.Module) -> set[ast.AST]:
     return {inner for node in guarded for statement in node.body for inner in ast.walk(statement)}
 
 
-def imports(module: str, path: Path, known: dict[str, Path], runtime: bool = False) -> list[tuple[str, list[str], int]]:
+def imports(module: str, path: Path, known: dict[str, Path],
+            runtime: bool = False) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every moerules import in the file (`runtime`: only
     those that can run)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]

@@ -31,8 +31,8 @@ QUANTIZED_TOLERANCE = 8e-2
 def make_parser() -> argparse.ArgumentParser:
     from moerules.tools.cli.main import DEBUG_HELP, SEED, config_arguments, bounded_int, positive_number
     from moerules.limits import MAX_RUN_TOKENS
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.tools.cli.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.tools.cli.launch",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config_arguments(parser)
     parser.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=64,
                         help="tokens per data-parallel replica (default 64)")

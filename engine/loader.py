@@ -79,8 +79,13 @@ class _Loader:
     def _declare(self, ruleset: RuleSet) -> None:
         seen: dict[str, SourceRef] = {}
         upstream: dict[str, SourceRef] = {}   # each vLLM class names one component, or conformance is ambiguous
+        packages: dict[str, SourceRef] = {}   # a package may share its name with a backend (aiter)
         for doc, parsed in self.docs:
             ruleset.content.append([doc.display.rsplit("/", 1)[-1], parsed.model_dump(mode="json")])
+            for index, package in enumerate(parsed.packages):
+                source = _source(doc, ("packages", index))
+                if self._unique(package.id.value, source, packages, doc, ("packages", index, "id"), what="package"):
+                    ruleset.packages[package.id.value] = Declared(package, source)
             for section, table in (("backends", ruleset.backends), ("dispatchers", ruleset.dispatchers)):
                 for index, item in enumerate(getattr(parsed, section)):
                     source = _source(doc, (section, index))

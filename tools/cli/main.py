@@ -376,6 +376,51 @@ def cmd_mutate(args) -> int:
     return UNSUPPORTED if survivors else OK
 
 
+def cmd_test(args) -> int:
+    from moerules.engine.loader import load_rules
+    from moerules.resources import default_rules_dir
+    from moerules.tools import rule_cases
+    rules_dir = Path(args.rules) if args.rules else default_rules_dir()
+    if not is_folder(rules_dir):
+        raise InputError(f"{rules_dir}: cases live in the cases/ folder beside the rule files; give --rules a folder")
+    ruleset = load_rules(rules_dir, display="rules" if args.rules is None else None)
+    results = rule_cases.run(rules_dir, ruleset, args.engine)
+    failed = [r for r in results if r.problem]
+    missing = rule_cases.missing_case_files(rules_dir, ruleset)
+    for result in failed:
+        print(f"{result.where}: [{result.rule}] {result.problem}")
+    for name in missing:
+        print(f"{rules_dir.name}/{name}: holds rules but has no case file {rules_dir.name}/{rule_cases.CASES}/{name}")
+    print(f"{len(results) - len(failed)} of {len(results)} cases hold")
+    short = False
+    if args.coverage or args.min_coverage is not None or args.suggest:
+        covered = rule_cases.coverage(ruleset, results)
+        for file_name, ids in covered.uncovered.items():
+            print(f"no case names {len(ids)} rule(s) of {file_name}: {', '.join(ids)}")
+        for rule_id in covered.deviations:
+            print(f"{rule_id} has `deviation:` but no case: a deviation is defended by name")
+        print(f"coverage: {covered.percent:.1f}% of {covered.total} rules have a case that holds")
+        short = bool(covered.deviations) or (args.min_coverage is not None and covered.percent < args.min_coverage)
+        if args.suggest:
+            _print_drafts(ruleset, args.engine, {i for ids in covered.uncovered.values() for i in ids})
+    return UNSUPPORTED if failed or missing or short else OK
+
+
+def _print_drafts(ruleset, engine: str, rule_ids: set) -> None:
+    """A draft case for each rule, from the first matrix cell where it acts: printed for review, never written."""
+    import yaml
+    from moerules.engine.decide import Engine
+    from moerules.tools import rule_cases
+    found = rule_cases.suggest(Engine(ruleset, engine), rule_ids, (c.config for c in _matrix_cells(ruleset)))
+    by_file: dict = {}
+    for rule_id in sorted(found, key=lambda i: ruleset.position(ruleset.rule(i))):
+        by_file.setdefault(rule_cases.rule_file(ruleset, rule_id), []).append(rule_cases.draft(rule_id, *found[rule_id]))
+    for file_name, drafts in by_file.items():
+        print(f"# drafts for {rule_cases.CASES}/{file_name}\n" + yaml.safe_dump(drafts, sort_keys=False, default_flow_style=None, width=110))
+    for rule_id in sorted(rule_ids - set(found)):
+        print(f"# {rule_id} acts on no matrix cell: write its case by hand")
+
+
 def cmd_conformance(args) -> int:
     from moerules.tools import conformance, matrix
     from moerules.engine.loader import load_rules
@@ -584,6 +629,16 @@ def make_parser() -> argparse.ArgumentParser:
     conform.add_argument("--limit", type=LIMIT, default=50, help="changed configs to print (default 50)")
     conform.add_argument("--quiet", action="store_true", help="no progress line")
     conform.set_defaults(func=cmd_conformance)
+    test = commands.add_parser("test", help="run the cases beside each rule file (rules/cases/)",
+                               description="run every case of rules/cases/ (config -> the rule's rejection or "
+                                           "firing, and the winner); --coverage lists the rules no case defends")
+    _rules_arguments(test)
+    test.add_argument("--coverage", action="store_true", help="list the rules no case that holds names")
+    test.add_argument("--min-coverage", type=bounded_int(0, 100), metavar="PERCENT",
+                      help="fail (exit 1) when fewer rules than this have a case (implies --coverage)")
+    test.add_argument("--suggest", action="store_true", help="print a draft case for each uncovered rule, from "
+                                                             "the first matrix cell where it acts (review it)")
+    test.set_defaults(func=cmd_test)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               usage=_CONFIG_USAGE.format("run"),
                               description="decide, build the layer with seeded weights, run one forward pass")

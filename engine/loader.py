@@ -18,6 +18,7 @@ from moerules.decision import SourceRef
 from moerules.errors import FileError, RuleFileError, RuleSetError
 from moerules.quant import QuantDtype
 from moerules.resources import default_rules_dir
+from moerules.config import PACKAGES_FILE
 from moerules.engine import fields as F
 from moerules.engine.expr import ExprError, parse, suggest
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER, Constraint, PlanRule, PlanStage, RuleFile
@@ -230,6 +231,8 @@ def structure_error(doc: YamlDocument, detail: dict, root: type[BaseModel]) -> F
         expected = re.findall(r"'([^']+)'", str(detail.get("ctx", {}).get("expected", "")))
         close = suggest(str(detail.get("input")), expected) if expected else None
         hint = f"did you mean {close!r}?" if close else None
+        if "external" in loc or "requires" in loc:   # the package vocabulary is itself a rule file
+            hint = f"{hint + ' Or d' if hint else 'D'}eclare a new package in rules/{PACKAGES_FILE} (packages:)"
     return doc.error(message, loc, rule=rule, hint=hint, at_key=at_key)
 
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from moerules.config import MoEConfig  # noqa: E402
 from moerules.engine.decide import decide  # noqa: E402
-from moerules.engine.detect import detect  # noqa: E402
-from moerules.builder import build  # noqa: E402
+from moerules.tools.detect import detect  # noqa: E402
+from moerules.kernels.builder import build  # noqa: E402
 from moerules.integrations.transformers import BLOCKS, MoERulesBlock  # noqa: E402
 from moerules.kernels.scheme import Scheme  # noqa: E402
 from moerules.kernels.weights import MoEWeights  # noqa: E402

@@ -36,7 +36,7 @@ from moe import time_us  # noqa: E402
 from moerules import build, decide, detect  # noqa: E402
 from moerules.config import MoEConfig, Platform  # noqa: E402
 from moerules.decision import Outcome  # noqa: E402
-from moerules.engine.matrix import QUANTS  # noqa: E402
+from moerules.tools.matrix import QUANTS  # noqa: E402
 from moerules.errors import KernelUnavailableError  # noqa: E402
 from moerules.kernels import make_random_weights  # noqa: E402
 from moerules.kernels.example import run_forward  # noqa: E402

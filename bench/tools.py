@@ -19,14 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from moerules.engine.pool import cpu_count
+from moerules.tools.pool import cpu_count
 
 
 def timed(label: str, args: list[str], env: dict) -> tuple[str, float, float, str]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "moerules.engine.cli", *args], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "moerules.tools.cli.main", *args], env=env, capture_output=True,
                             text=True, check=False)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

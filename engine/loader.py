@@ -18,6 +18,7 @@ from moerules.decision import SourceRef
 from moerules.errors import FileError, RuleFileError, RuleSetError
 from moerules.quant import QuantDtype
 from moerules.resources import default_rules_dir
+from moerules.config import PACKAGES_FILE
 from moerules.engine import fields as F
 from moerules.engine.expr import ExprError, parse, suggest
 from moerules.engine.rulefile import MESSAGE_PLACEHOLDER, Constraint, PlanRule, PlanStage, RuleFile
@@ -79,8 +80,13 @@ class _Loader:
     def _declare(self, ruleset: RuleSet) -> None:
         seen: dict[str, SourceRef] = {}
         upstream: dict[str, SourceRef] = {}   # each vLLM class names one component, or conformance is ambiguous
+        packages: dict[str, SourceRef] = {}   # a package may share its name with a backend (aiter)
         for doc, parsed in self.docs:
             ruleset.content.append([doc.display.rsplit("/", 1)[-1], parsed.model_dump(mode="json")])
+            for index, package in enumerate(parsed.packages):
+                source = _source(doc, ("packages", index))
+                if self._unique(package.id.value, source, packages, doc, ("packages", index, "id"), what="package"):
+                    ruleset.packages[package.id.value] = Declared(package, source)
             for section, table in (("backends", ruleset.backends), ("dispatchers", ruleset.dispatchers)):
                 for index, item in enumerate(getattr(parsed, section)):
                     source = _source(doc, (section, index))
@@ -225,6 +231,8 @@ def structure_error(doc: YamlDocument, detail: dict, root: type[BaseModel]) -> F
         expected = re.findall(r"'([^']+)'", str(detail.get("ctx", {}).get("expected", "")))
         close = suggest(str(detail.get("input")), expected) if expected else None
         hint = f"did you mean {close!r}?" if close else None
+        if "external" in loc or "requires" in loc:   # the package vocabulary is itself a rule file
+            hint = f"{hint + ' Or d' if hint else 'D'}eclare a new package in rules/{PACKAGES_FILE} (packages:)"
     return doc.error(message, loc, rule=rule, hint=hint, at_key=at_key)
 
 

@@ -29,6 +29,18 @@ VllmPin = Annotated[str, Field(pattern=r"^[a-z0-9_]+$")]
 VllmFamily = Literal["unquantized", "fp8", "int8", "mxfp8", "mxfp4", "nvfp4", "wna16", "w4a8"]
 
 
+class PackageDeclaration(BaseModel):
+    """A kernel package: the config vocabulary (Platform.packages) is the shipped rules' list of these."""
+
+    model_config = _STRICT
+
+    id: Package = Field(description="The package's name in configs, `external:` and `requires:`.")
+    probe: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", description=(
+        "The module whose presence on this machine proves the package (detect() looks it up, never imports it)."))
+    install: str = Field("", description="How to install it, for the error that says it is missing.")
+    description: str = ""
+
+
 class _Component(BaseModel):
     """Something a decision can name: an experts backend or a prepare/finalize."""
 
@@ -211,6 +223,7 @@ class RuleFile(BaseModel):
 
     version: Literal[1] = 1
     description: str = ""
+    packages: list[PackageDeclaration] = []
     backends: list[Backend] = []
     dispatchers: list[Dispatcher] = []
     constraints: list[Constraint] = []

@@ -10,7 +10,8 @@ from typing import Optional, Union
 
 from moerules.decision import SourceRef
 from moerules.engine.expr import Expr
-from moerules.engine.rulefile import Backend, Constraint, Dispatcher, DispatchRule, PlanRule, Priority
+from moerules.engine.rulefile import (Backend, Constraint, Dispatcher, DispatchRule, PackageDeclaration, PlanRule,
+                                     Priority)
 
 RuleItem = Union[Constraint, Priority, DispatchRule, PlanRule]
 
@@ -31,7 +32,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Declared:
-    item: Union[Backend, Dispatcher]
+    item: Union[Backend, Dispatcher, PackageDeclaration]
     source: SourceRef
 
 
@@ -40,6 +41,7 @@ class RuleSet:
     """Everything the compiler needs; built only by `load_rules`, which validates it."""
 
     files: list[str]
+    packages: dict[str, Declared] = field(default_factory=dict)
     backends: dict[str, Declared] = field(default_factory=dict)
     dispatchers: dict[str, Declared] = field(default_factory=dict)
     constraints: list[Rule] = field(default_factory=list)

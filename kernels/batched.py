@@ -22,7 +22,7 @@ import torch
 from moerules.activation import SwigluParams
 from moerules.quant import Granularity
 
-from .interfaces import BATCHED, BatchedExperts, PreparedInput
+from .interfaces import BatchedExperts, PreparedInput
 from .prepare_finalize import LocalPrepareFinalize
 from .reference import moe_reference
 from .scheme import TORCH_DTYPE
@@ -93,7 +93,6 @@ class LocalBatchedPrepareFinalize(LocalPrepareFinalize):
     the module doc). finalize gathers the rows back, applies the router weights and sums over k.
     """
 
-    activation_format = BATCHED
 
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         if self.num_local_experts is None:
@@ -145,7 +144,6 @@ def batched_reference(hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor]
 class BatchedReferenceExperts(BatchedExperts):
     """`torch.batched_reference`: the batched format in fp32 torch, for tests and CPUs."""
 
-    supports_bias = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor],

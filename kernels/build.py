@@ -78,9 +78,6 @@ def build_layer(*, kernel_id: str, prepare_finalize_id: str, quant: QuantConfig,
         raise KernelBuildError(kernel_id, f"prepare/finalize {prepare_finalize_id!r} produces "
                                           f"{pf_spec.activation_format!r} activations, the experts take "
                                           f"{spec.activation_format!r}")
-    refusal = spec.refused_families.get(quant.family)
-    if refusal:
-        raise KernelBuildError(kernel_id, refusal)
     try:
         scheme = Scheme.from_quant(quant)
     except UnsupportedScheme as exc:

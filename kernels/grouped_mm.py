@@ -18,14 +18,12 @@ from typing import Optional
 import torch
 
 from .activations import apply_activation
-from .interfaces import STANDARD, Experts
+from .interfaces import Experts
 from .scheme import TORCH_DTYPE
 from .weights import MoEWeights
 
 
 class GroupedMMExperts(Experts):
-    activation_format = STANDARD
-    supports_bias = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

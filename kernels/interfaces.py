@@ -68,7 +68,6 @@ class PrepareFinalize(ABC):
     whether they must quantise themselves.
     """
 
-    activation_format: ClassVar[str]
     # Token-exchanging dispatchers cannot run without a process group; some route by owner rank
     # and so need whole experts per rank (not the tensor placement).
     needs_group: ClassVar[bool] = False
@@ -105,14 +104,10 @@ class PrepareFinalize(ABC):
 class Experts(ABC):
     """Computes the experts for already routed (and maybe quantised) tokens.
 
-    Subclasses set `activation_format` and `supports_bias`, and `supports_lora` when they apply
-    the LoRA adapters of `weights.lora`. `expects_unquantized_inputs` is not a constant: it
-    depends on the dispatcher the experts are paired with (`bind`).
+    What a kernel takes (format, biases, LoRA) is its registry entry (kernels/registry.py), checked
+    against the rules' declaration by tests/test_one_declaration.py. `expects_unquantized_inputs` is not a
+    constant: it depends on the dispatcher the experts are paired with (`bind`).
     """
-
-    activation_format: ClassVar[str]
-    supports_bias: ClassVar[bool]
-    supports_lora: ClassVar[bool] = False
 
     def __init__(self, *, scheme: Scheme, activation: Activation, kernel_id: str,
                  swiglu: SwigluParams = SwigluParams()):
@@ -176,8 +171,6 @@ class BatchedExperts(Experts):
     anything. A dynamic per-tensor scale, of the input when quantisation is deferred or of the
     intermediate, spans the valid rows of all experts and never the padding.
     """
-
-    activation_format: ClassVar[str] = BATCHED
 
     def gemm1_input(self, hidden_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights,
                     expert_num_tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

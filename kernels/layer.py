@@ -11,8 +11,9 @@ from .activations import is_interleaved
 from moerules.errors import KernelInputError
 
 from .errors import KernelBuildError
-from .interfaces import BATCHED, Experts, PrepareFinalize
+from .interfaces import BatchedExperts, Experts, PrepareFinalize
 from .lora import LoRAWeights, lora_refusal
+from .registry import experts_spec
 from .scheme import TORCH_DTYPE
 from .routing import check_topk_dtypes, fused_topk, grouped_topk, validate_topk
 from .weights import MoEWeights, pad_lora
@@ -76,7 +77,7 @@ class MoELayer:
     def _lora_refusal(self, lora: Optional[LoRAWeights]) -> Optional[str]:
         if lora is None:
             return None
-        reason = lora_refusal(supports_lora=self.experts.supports_lora, scheme=self.experts.scheme)
+        reason = lora_refusal(supports_lora=experts_spec(self.kernel_id).supports_lora, scheme=self.experts.scheme)
         if reason:
             return reason
         try:
@@ -133,7 +134,7 @@ class MoELayer:
         # swaps ids and weights (a seed regression); the dtype check costs no sync.
         check_topk_dtypes(topk_ids=prepared.topk_ids, topk_weights=prepared.topk_weights)
         batched = {}
-        if self.experts.activation_format == BATCHED:  # only batched experts take the per-expert counts
+        if isinstance(self.experts, BatchedExperts):  # only batched experts take the per-expert counts
             if prepared.expert_num_tokens is None:
                 raise ValueError(f"{type(self.prepare_finalize).__name__} returned no expert_num_tokens for the "
                                  f"batched experts {self.kernel_id}")

@@ -18,12 +18,11 @@ import torch
 
 from .ep.comm import batch_shape
 from .ep.placement import RoutingTables, map_to_local, routing_tables
-from .interfaces import STANDARD, PreparedInput, PrepareFinalize
+from .interfaces import PreparedInput, PrepareFinalize
 from .quantize import quantize_activation
 
 
 class LocalPrepareFinalize(PrepareFinalize):
-    activation_format = STANDARD
 
     @property
     def remote_expert_ids(self) -> bool:

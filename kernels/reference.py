@@ -17,7 +17,7 @@ import torch
 from moerules.activation import SwigluParams
 
 from .activations import apply_activation
-from .interfaces import STANDARD, Experts
+from .interfaces import Experts
 from .quantize import dequantize_activation, dequantize_weight, quantize_activation
 from .scheme import TORCH_DTYPE, Scheme
 from .weights import MoEWeights
@@ -88,9 +88,6 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
 
 
 class TorchReferenceExperts(Experts):
-    activation_format = STANDARD
-    supports_bias = True
-    supports_lora = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

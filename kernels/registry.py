@@ -4,6 +4,8 @@ Ids, never import paths, name kernels everywhere (rules, decisions, CLI). An ent
 which scheme cells (`Scheme.cell`), activations and in_dtypes it implements, whether it
 takes biases and applies LoRA adapters, its activation format, and how to probe the platform
 for its packages; so a mismatched request fails with a message instead of running something else.
+The rules (rules/10-components.yaml and the constraints) are the source of what a backend can do;
+tests/test_one_declaration.py fails when an entry here drifts from them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from moerules.activation import Activation, Dtype
+from moerules.config import PACKAGE_DECLARATIONS, Package
 from moerules.quant import QuantConfig, QuantFamily
 
 from .activations import ACTIVATIONS, GATED_ACTIVATIONS
@@ -41,13 +44,10 @@ class ExpertsSpec:
     probe: Callable[[Scheme, Dtype, torch.device, MoEWeights], Optional[str]]
     notes: str = ""
     supports_lora: bool = False       # applies `weights.lora` (on unquantised activations only)
-    # Families refused with a reason of their own (a rule's message and the fix), before any cell check.
-    refused_families: dict[QuantFamily, str] = field(default_factory=dict)
     # MX: hidden and intermediate (after padding) must be whole 32-element groups.
     needs_full_mx_groups: bool = False
-    # Adapters only: the import name of the external package they run, and how to install it.
-    package: Optional[str] = None
-    install_hint: str = ""
+    # Adapters only: the external package they run (its probe and install line: rules/05-packages.yaml).
+    package: Optional[Package] = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _probe_triton(scheme, in_dtype, device, weights) -> Optional[str]:
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        return f"package 'triton' is not importable ({exc}); pip install 'triton>=3.2' (Linux)"
+        return f"package 'triton' is not importable ({exc}); {PACKAGE_DECLARATIONS['triton']['install']}"
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return ("Triton kernels need a GPU; on CPU they run only under the interpreter: set TRITON_INTERPRET=1 "
@@ -109,12 +109,6 @@ def _probe_grouped_mm(scheme, in_dtype, device, weights) -> Optional[str]:
 _GATED = frozenset(GATED_ACTIVATIONS)
 _BATCHED_TRITON_CELLS = frozenset(cell for cell, s in scheme_cells().items()
                                   if s.family in (QuantFamily.unquantized, QuantFamily.fp8_w8a8, QuantFamily.fp8_w8a16))
-_USE_STANDARD = "; use triton.fused_moe behind a standard-format prepare/finalize, or an FP8 or unquantised scheme"
-_BATCHED_TRITON_REFUSALS = {
-    **{f: "batched Triton experts have no INT8 path (rule batched_triton.no_int8)" + _USE_STANDARD
-       for f in (QuantFamily.int8_w8a8, QuantFamily.int8_w8a16)},
-    **{f: "batched Triton experts have no MX (micro-scaled) path (rule batched_triton.no_mx)" + _USE_STANDARD
-       for f in (QuantFamily.mxfp4_w4a16, QuantFamily.mxfp8)}}
 EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
     ExpertsSpec("triton.fused_moe", ".triton.experts:TritonExperts", STANDARD, ALL_CELLS, ACTIVATIONS,
                 frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
@@ -132,8 +126,7 @@ EXPERTS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
                 "any device; fp32 dequantise-then-matmul, one expert at a time", supports_lora=True),
     ExpertsSpec("triton.batched_moe", ".triton.batched_experts:BatchedTritonExperts", BATCHED,
                 _BATCHED_TRITON_CELLS, _GATED, frozenset({Dtype.bf16, Dtype.fp16}), True, _probe_triton,
-                "batched format; CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16",
-                refused_families=_BATCHED_TRITON_REFUSALS),
+                "batched format; CUDA GPU (fp8 needs sm89+); CPU only under TRITON_INTERPRET=1 and fp16"),
     ExpertsSpec("torch.batched_reference", ".batched:BatchedReferenceExperts", BATCHED, ALL_CELLS, _GATED,
                 frozenset({Dtype.bf16, Dtype.fp16, Dtype.fp32}), True, _probe_reference,
                 "batched format, any device; torch.reference over the valid rows (tests and CPUs)"),
@@ -157,17 +150,15 @@ ADAPTERS: dict[str, ExpertsSpec] = {s.kernel_id: s for s in [
                 frozenset({"mxfp4_w4a16/group32"}), frozenset({Activation.swigluoai}), frozenset({Dtype.bf16}), True,
                 _probe_triton_kernels,
                 "OpenAI triton_kernels matmul_ogs MXFP4 x bf16 MoE (gpt-oss), CUDA sm90; weights converted once at "
-                "build into its Hopper layout", needs_full_mx_groups=True, package="triton_kernels",
-                install_hint="pip install sglang-kernel==0.4.5 (it ships the unmodified package), or install "
-                             "python/triton_kernels from the Triton repository at the tag of your Triton"),
+                "build into its Hopper layout", needs_full_mx_groups=True, package=Package.triton_kernels),
 ]}
 
 
 def package_refusal(adapter_id: str) -> Optional[str]:
     """None if the adapter's package can be imported here, else what is missing and how to install it."""
-    spec = ADAPTERS[adapter_id]
-    if importlib.util.find_spec(spec.package) is None:
-        return f"package {spec.package!r} is not installed; {spec.install_hint}"
+    declared = PACKAGE_DECLARATIONS[ADAPTERS[adapter_id].package.value]
+    if importlib.util.find_spec(declared["probe"]) is None:
+        return f"package {declared['probe']!r} is not installed; {declared['install']}"
     return None
 
 

@@ -8,21 +8,14 @@ The engine (durable-rules, or the reference evaluator) loads lazily, and the ker
 (torch, Triton) only when `build` is called, so deciding needs neither torch nor a GPU.
 """
 
-from pathlib import Path as _Path
+from importlib import metadata as _metadata
 
-# In a source checkout the subpackages `moerules.engine` and `moerules.kernels` are the
-# repo's top-level engine/ and kernels/ folders (the wheel installs them inside this
-# package). Adding the checkout root to __path__ makes both layouts import the same way.
-_CHECKOUT = _Path(__file__).resolve().parent.parent
-if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init__.py").is_file():
-    __path__.append(str(_CHECKOUT))
-
-from moerules.config import MoEConfig  # noqa: E402
-from moerules.decision import Decision, ReasonCode  # noqa: E402
-from moerules.errors import (BackendRejectedError, KernelUnavailableError, MoeRulesError,  # noqa: E402
+from moerules.config import MoEConfig
+from moerules.decision import Decision, ReasonCode
+from moerules.errors import (BackendRejectedError, KernelUnavailableError, MoeRulesError,
                              RuleFileError, RuleSetError, UnknownBackendError)
 
-__version__ = "0.1.0"
+__version__ = _metadata.version("moerules")   # pyproject.toml declares it
 
 
 def decide(config, rules=None, engine: str = "auto") -> Decision:
@@ -53,13 +46,13 @@ def load_rules(path=None):
 
 def detect():
     """The current machine as a `Platform` (vendor, arch, kernel packages)."""
-    from moerules.engine.detect import detect as _detect
+    from moerules.tools.detect import detect as _detect
     return _detect()
 
 
 def build(decision, weights, **kwargs):
     """A runnable MoE layer on the kernels the decision names."""
-    from moerules.builder import build as _build
+    from moerules.kernels.builder import build as _build
     return _build(decision, weights, **kwargs)
 
 

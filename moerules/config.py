@@ -19,6 +19,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.limits import MAX_ARCH_LENGTH, MAX_CUDA_CC_DIGITS, MAX_LAYER_DIM, MAX_RANKS
 from moerules.quant import QuantConfig
+from moerules.resources import default_rules_dir
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -251,27 +252,23 @@ class Vendor(str, Enum):
     cpu = "cpu"
 
 
-class Package(str, Enum):
-    """Kernel packages a backend may need; `detect()` probes them, a what-if config states them."""
+PACKAGES_FILE = "05-packages.yaml"
 
-    triton = "triton"
-    aiter = "aiter"
-    flashinfer = "flashinfer"
-    deep_gemm = "deep_gemm"
-    vllm_cutlass = "vllm_cutlass"
-    marlin = "marlin"
-    triton_kernels = "triton_kernels"
-    deep_ep = "deep_ep"
-    mori = "mori"
-    nixl_ep = "nixl_ep"
-    xpu_kernels = "xpu_kernels"
-    humming = "humming"
-    moonep = "moonep"
-    vllm = "vllm"                  # vLLM's own Triton kernels (WNA16, emulation, MXFP8 dot_scaled, unfused OAI)
-    vllm_cpu = "vllm_cpu"          # vLLM's CPU build (its C++ MoE kernels)
-    b12x = "b12x"
-    hpc = "hpc"
-    zentorch = "zentorch"
+
+def _declared_packages() -> dict[str, dict]:
+    """The shipped rule set's `packages:` section, by id, read as plain YAML (the engine's loader validates
+    the same file with file:line errors; here it is only the vocabulary)."""
+    import yaml
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    document = yaml.load((default_rules_dir() / PACKAGES_FILE).read_text(), Loader=loader)
+    return {entry["id"]: entry for entry in document["packages"]}
+
+
+PACKAGE_DECLARATIONS = _declared_packages()
+# Declared once, with their probes, in rules/05-packages.yaml: a new package is a line there, not an edit here.
+Package = Enum("Package", {name: name for name in PACKAGE_DECLARATIONS}, type=str, module=__name__,
+               qualname="Package")
+Package.__doc__ = "Kernel packages a backend may need; `detect()` probes them, a what-if config states them."
 
 
 # What `pip install vllm==0.33.0` brings on CUDA: its own Marlin/CUTLASS ops, the vendored deep_gemm and

@@ -54,8 +54,8 @@ GUARANTEES = [
               "split evenly over the ranks, or the weights were already padded"),
     Guarantee("moerules.kernels.ep.init_distributed", "CollectiveError", "the process group does not form within "
               "the timeout"),
-    Guarantee("moerules.run.run_example", "RequestError", "a device that is not here, tokens outside 1 to 65,536, "
-              "or weights over --max-gib or the memory available, before anything is allocated"),
+    Guarantee("moerules.tools.cli.run.run_example", "RequestError", "a device that is not here, tokens outside 1 "
+              "to 65,536, or weights over --max-gib or the memory available, before anything is allocated"),
 ]
 
 

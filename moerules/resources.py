@@ -1,7 +1,7 @@
-"""Where the shipped data folders (default rules, JSON Schema) live.
+"""Where the shipped data folders (default rules, JSON Schema) live: inside the package.
 
-In a wheel they are installed inside the package (`moerules/rules`, `moerules/schema`);
-in a source checkout or an editable install they are the top-level folders of the repo.
+In a wheel they are installed as `moerules/rules` and `moerules/schema`; in a checkout those are
+symlinks to the repo's top-level folders, so both layouts read the same path.
 """
 
 from __future__ import annotations
@@ -11,14 +11,9 @@ from pathlib import Path
 _PACKAGE = Path(__file__).resolve().parent
 
 
-def _data_dir(name: str) -> Path:
-    installed = _PACKAGE / name
-    return installed if installed.is_dir() else _PACKAGE.parent / name
-
-
 def default_rules_dir() -> Path:
-    return _data_dir("rules")
+    return _PACKAGE / "rules"
 
 
 def schema_dir() -> Path:
-    return _data_dir("schema")
+    return _PACKAGE / "schema"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run everything CI runs: schema freshness, rule lint, the golden decision matrix,
-# a sample of rule mutants, conformance with vLLM 0.33 on a sample, and the test suite.
+# Set up, then run everything CI runs: schema freshness, rule lint, the rule cases, static import resolution
+# (mypy), the golden decision matrix, a sample of rule mutants, conformance with vLLM 0.33 on a sample, and the test suite.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh
@@ -21,6 +21,8 @@ if [ -x /usr/bin/chromium ]; then export MOERULES_REQUIRE_BROWSER=1; fi
 set -x
 moerules schema --check
 moerules lint
+moerules test --min-coverage 100   # the cases beside each rule file; every rule is defended by one
+bash scripts/typecheck.sh python --package   # mypy resolves every moerules module (editable install)
 moerules matrix --check
 moerules matrix --check --engine reference   # the engine differential over every cell
 # A different sample of rule mutants each commit (seeded by the commit, printed, reproducible).

@@ -52,7 +52,7 @@ def strided_w2():
 
 
 def run_on_meta():
-    from moerules.run import run_example
+    from moerules.tools.cli.run import run_example
     run_example(moerules.decide(config()), device="meta")
 
 
@@ -88,7 +88,7 @@ TRIGGERS = {
         lambda: shard_weights(weights(E=6), Placement.contiguous(6, 4), 0),
     ("moerules.kernels.ep.init_distributed", "CollectiveError"):
         "tests/ep/test_ep_faults.py::test_a_rank_that_never_joins_fails_init_within_the_timeout",
-    ("moerules.run.run_example", "RequestError"): run_on_meta,
+    ("moerules.tools.cli.run.run_example", "RequestError"): run_on_meta,
 }
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..interfaces import BATCHED, PreparedInput
+from ..interfaces import PreparedInput
 from .all2all import All2AllPrepareFinalize, ExchangeHandle
 
 
@@ -33,7 +33,6 @@ class _BatchHandle:
 
 
 class BatchedAll2AllPrepareFinalize(All2AllPrepareFinalize):
-    activation_format = BATCHED
 
     def dispatch(self, prepared: PreparedInput) -> PreparedInput:
         own_ids, own_weights = prepared.topk_ids, prepared.topk_weights

@@ -19,7 +19,7 @@ import torch
 from moerules.activation import Activation
 
 from ..activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from ..interfaces import STANDARD, Experts
+from ..interfaces import Experts
 from ..weights import MoEWeights
 from .oai_layout import OaiMxfp4Weights, from_oai_layout, to_oai_layout
 
@@ -34,8 +34,6 @@ def _tk(name: str):
 
 
 class OaiTritonExperts(Experts):
-    activation_format = STANDARD
-    supports_bias = True
 
     def __init__(self, *, scheme, activation: Activation, kernel_id: str):
         super().__init__(scheme=scheme, activation=activation, kernel_id=kernel_id)

@@ -13,7 +13,6 @@ from .batched import batched_moe
 
 
 class BatchedTritonExperts(BatchedExperts):
-    supports_bias = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor],

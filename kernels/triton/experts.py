@@ -6,16 +6,13 @@ from typing import Optional
 
 import torch
 
-from ..interfaces import STANDARD, Experts
+from ..interfaces import Experts
 from ..scheme import TORCH_DTYPE
 from ..weights import MoEWeights
 from .launch import fused_moe
 
 
 class TritonExperts(Experts):
-    activation_format = STANDARD
-    supports_bias = True
-    supports_lora = True
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

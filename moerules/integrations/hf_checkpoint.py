@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from moerules.builder import BIASED_ROUTING
+from moerules.kernels.builder import BIASED_ROUTING
 from moerules.config import MoEConfig
 from moerules.errors import CheckpointError
 from moerules.hf_config import ARCHITECTURES, read_hf_config

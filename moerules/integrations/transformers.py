@@ -17,7 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from moerules.builder import build
+from moerules.kernels.builder import build
 from moerules.config import MoEConfig
 from moerules.decision import Decision
 from moerules.errors import KernelUnavailableError
@@ -98,7 +98,7 @@ def replace_moe(model: torch.nn.Module, checkpoint: Union[str, Path], *,
         raise KernelUnavailableError(f"{source}: MoE blocks of model_type {model_type!r} are not replaced by "
                                      f"moerules layers; supported: {', '.join(sorted(BLOCKS))}")
     if platform is None:
-        from moerules.engine.detect import detect
+        from moerules.tools.detect import detect
         platform = detect()
     decoder_layers = model.model.layers
     device = next(model.parameters()).device

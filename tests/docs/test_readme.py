@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moerules.engine.cli import main
+from moerules.tools.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 _BLOCK = re.compile(r"^```console\n\$ (moerules [^\n]+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -58,7 +58,7 @@ def test_the_matcher_catches_a_drift():
 
 
 def test_every_moerules_command_line_the_readme_shows_parses():
-    from moerules.engine.cli import make_parser
+    from moerules.tools.cli.main import make_parser
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     lines = [line.split("#")[0].strip() for line in re.findall(r"^\$? ?(moerules [^\n`]+)$", text, re.MULTILINE)]
     assert len(lines) >= 5

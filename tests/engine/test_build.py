@@ -10,9 +10,9 @@ from moerules.activation import SwigluParams
 from moerules.errors import KernelUnavailableError
 from moerules.kernels import make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
-from moerules.builder import routing_for
+from moerules.kernels.builder import routing_for
 from moerules.kernels.routing import fused_topk, grouped_topk
-from moerules.run import run_example
+from moerules.tools.cli.run import run_example
 
 from decision_helpers import config, cuda, rocm
 

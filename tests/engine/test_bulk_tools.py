@@ -9,11 +9,11 @@ import logging
 import pytest
 
 from moerules.config import MoEConfig
-from moerules.engine import matrix, matrix_golden, pool
-from moerules.engine.cli import main
-from moerules.engine.decision_cache import DecisionCache, config_key
+from moerules.tools import matrix, matrix_golden, pool
+from moerules.tools.cli.main import main
+from moerules.tools.decision_cache import DecisionCache, config_key
 from moerules.engine.loader import load_rules
-from moerules.engine.progress import progress
+from moerules.tools.progress import progress
 from moerules.resources import default_rules_dir
 
 from decision_helpers import config

@@ -62,7 +62,7 @@ def constraints(conditions: list[str], applies_to: str = "[triton]") -> str:
 
 def decide_in_child(folder: Path, *args: str) -> dict:
     """`moerules decide --json` on a rule folder, in a child process: a crash or hang fails the test."""
-    command = [sys.executable, "-m", "moerules.engine.cli", "decide", "--model", "mixtral-8x7b", "--json",
+    command = [sys.executable, "-m", "moerules.tools.cli.main", "decide", "--model", "mixtral-8x7b", "--json",
                "--rules", str(folder), *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode in (0, 1), done.stderr[-2000:]

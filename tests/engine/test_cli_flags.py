@@ -13,8 +13,8 @@ import pytest
 
 from moerules import __version__
 from moerules.config import MoEConfig
-from moerules.engine.cli import main, make_parser
-from moerules.engine.config_flags import ALIASES, _kind, flag_sections
+from moerules.tools.cli.main import main, make_parser
+from moerules.tools.cli.flags import ALIASES, _kind, flag_sections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_version(capsys):
 
 def test_a_closed_pipe_is_quiet():
     # `head -n 0` exits before moerules (starting up) writes: the write meets a closed pipe.
-    command = f"{sys.executable} -m moerules.engine.cli decide --model mixtral-8x7b --platform cpu:x86_64 --json"
+    command = f"{sys.executable} -m moerules.tools.cli.main decide --model mixtral-8x7b --platform cpu:x86_64 --json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for reader in ("head -n 0", "head -1"):
         done = subprocess.run(f"{command} 2>err.txt | {reader}; cat err.txt", shell=True, capture_output=True,
@@ -127,7 +127,7 @@ def test_config_file_errors_point_at_file_line_col_with_a_suggestion(tmp_path, c
 
 def test_a_stepwise_progress_line_names_each_stage():
     import io
-    from moerules.engine.progress import Progress
+    from moerules.tools.progress import Progress
     stream = io.StringIO()
     bar = Progress(2, "run", stream)
     bar.stage("importing torch")

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from moerules.config import VLLM_INSTALL, MoEConfig
-from moerules.engine import conformance
-from moerules.engine.cli import main
+from moerules.tools import conformance
+from moerules.tools.cli.main import main
 from moerules.engine.loader import load_rules
-from moerules.engine.matrix import Cell
+from moerules.tools.matrix import Cell
 from moerules.resources import default_rules_dir
 
 FULL = sorted(p.value for p in VLLM_INSTALL)
@@ -21,7 +21,7 @@ BIASED_BLACKWELL = MoEConfig(model={"num_experts": 16, "top_k": 2, "hidden_size"
 @pytest.fixture(scope="module")
 def oracle():
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
     return VllmOracle()
 
 

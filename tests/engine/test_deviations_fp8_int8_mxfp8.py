@@ -79,7 +79,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def oracle():
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
 
     return VllmOracle()
 

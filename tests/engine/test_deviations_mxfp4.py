@@ -22,7 +22,7 @@ def _config(quant: str, platform: dict, **model) -> MoEConfig:
 
 def _vllm(config: MoEConfig):
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
 
     return VllmOracle().select(config)
 
@@ -79,7 +79,7 @@ def test_mxfp4_orders_follow_vllm_on_blackwell_consumer_and_hopper():
                    activation="swigluoai")
     assert decide(sm90).backend == "oai_triton"
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
 
     oracle = VllmOracle()
     assert oracle.select(sm120).experts == "MarlinExperts"

@@ -19,7 +19,7 @@ def _config(quant, vendor, arch, packages, hidden=4096, intermediate=4096, **mod
 
 def _vllm(config):
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
 
     return VllmOracle().select(config)
 

@@ -39,7 +39,7 @@ def ours(config: MoEConfig):
 def vllm():
     """(experts class, error) of vLLM 0.33's own selection for a config."""
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
 
     oracle, backends = VllmOracle(), load_rules(default_rules_dir()).backends
 

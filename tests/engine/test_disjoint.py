@@ -13,7 +13,7 @@ from moerules.engine.disjoint import MAX_CASES, cases
 from moerules.engine.expr import normalize, parse
 from moerules.engine.fields import config_fields
 from moerules.engine.loader import load_rules
-from moerules.engine.matrix import cells
+from moerules.tools.matrix import cells
 from moerules.engine.reference_runner import compile_condition
 
 RULES = Path(__file__).parents[2] / "rules"

@@ -30,7 +30,7 @@ CONFIG = MoEConfig(**{**preset("gpt-oss-120b"), "platform": {"vendor": "cuda", "
 def test_the_json_record_is_byte_identical_across_hash_seeds(engine):
     if engine == "durable":
         pytest.importorskip("durable_rules_engine")
-    command = [sys.executable, "-m", "moerules.engine.cli", "decide", "--model", "gpt-oss-120b", "--platform",
+    command = [sys.executable, "-m", "moerules.tools.cli.main", "decide", "--model", "gpt-oss-120b", "--platform",
                "cuda:sm_90", "--packages", "triton,flashinfer,marlin,deep_gemm,aiter", "--json", "--engine", engine]
     digests = set()
     for seed in range(5):

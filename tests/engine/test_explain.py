@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moerules.decision import ReasonCode
-from moerules.engine.cli import main
+from moerules.tools.cli.main import main
 from moerules.engine.decide import decide, engine_for, fallback_message
 from moerules.engine.explain import explain_text
 from moerules.engine.misses import SEVERITY

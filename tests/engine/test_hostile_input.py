@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from moerules import MoEConfig, load_rules
-from moerules.engine.cli import build_config, main, make_parser
+from moerules.tools.cli.main import build_config, main, make_parser
 from moerules.errors import ConfigFileError, RuleSetError
 from moerules.limits import MAX_FILE_BYTES
 from moerules.resources import default_rules_dir
@@ -175,7 +175,7 @@ def test_a_switch_written_as_bare_yaml_on_or_off_is_that_switch(tmp_path):
 
 
 def test_detect_reads_vllms_switch_variables_into_the_config():
-    from moerules.engine.detect import detect_switches
+    from moerules.tools.detect import detect_switches
     switches = detect_switches({"VLLM_ROCM_USE_AITER": "1", "VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "0"})
     assert (switches.rocm_use_aiter.value, switches.rocm_use_aiter_moe.value, switches.use_deep_gemm.value) == (
         "on", "unset", "off")   # DeepGEMM is on only where every variable vLLM reads says so

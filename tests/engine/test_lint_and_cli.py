@@ -8,9 +8,9 @@ import re
 import pytest
 
 from moerules.config import All2AllBackend
-from moerules.engine.cli import main
-from moerules.engine.lint import lint
-from moerules.engine import schema_export
+from moerules.tools.cli.main import main
+from moerules.tools.lint import lint
+from moerules.tools import schema_export
 from moerules.resources import schema_dir
 
 from decision_helpers import config, cuda, rocm

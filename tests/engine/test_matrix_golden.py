@@ -9,7 +9,7 @@ import shutil
 import pytest
 import yaml
 
-from moerules.engine import matrix, matrix_golden
+from moerules.tools import matrix, matrix_golden
 from moerules.engine.loader import load_rules
 from moerules.errors import TableFileError
 from moerules.resources import default_rules_dir
@@ -115,7 +115,8 @@ def test_one_priority_change_rewrites_only_the_lines_of_the_changed_cells(rulese
 
 
 def test_matrix_writes_the_files_and_check_catches_the_changed_priority(ruleset, tmp_path, monkeypatch, capsys):
-    from moerules.engine import cli, matrix_html
+    from moerules.tools.cli import main as cli
+    from moerules.tools import matrix_html
     cells = [c for c in matrix.cells(ruleset.backends) if c.key.startswith("cuda:sm_90|fp8_w8a8/channel")]
     every_page_cell = matrix_html.page_cells
     monkeypatch.setattr(cli, "_matrix_cells", lambda _: cells)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from moerules.config import Package
-from moerules.engine import matrix_html
+from moerules.tools import matrix_html
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
-from moerules.engine.matrix import decide_config, ranking
+from moerules.tools.matrix import decide_config, ranking
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Set by scripts/test.sh (CI), which installs Chromium and playwright: there the browser test must run.
@@ -100,7 +100,7 @@ def _sync_playwright():
 def decide_with_the_cli(tmp_path: Path) -> dict:
     config = tmp_path / "gfx950-mxfp4-tp4.yaml"
     config.write_text(GFX950_MXFP4_TP4_CONFIG % ", ".join(p.value for p in Package))
-    done = subprocess.run([sys.executable, "-m", "moerules.engine.cli", "decide", str(config), "--json"],
+    done = subprocess.run([sys.executable, "-m", "moerules.tools.cli.main", "decide", str(config), "--json"],
                           capture_output=True, text=True, timeout=120, check=True)
     return json.loads(done.stdout)
 

@@ -10,10 +10,10 @@ import tempfile
 import pytest
 import yaml
 
-from moerules.engine import mutate
-from moerules.engine.cli import main
+from moerules.tools import mutate
+from moerules.tools.cli.main import main
 from moerules.engine.loader import load_rules
-from moerules.engine.ruleset_source import resolve
+from moerules.tools.ruleset_source import resolve
 from moerules.resources import default_rules_dir
 
 

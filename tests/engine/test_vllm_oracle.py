@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from moerules.config import VLLM_INSTALL, MoEConfig
-from moerules.engine import matrix
+from moerules.tools import matrix
 from moerules.engine.loader import load_rules
-from moerules.engine.vllm_oracle import Inexpressible, VllmUnavailableError
+from moerules.tools.vllm_oracle import Inexpressible, VllmUnavailableError
 
 FULL = sorted(p.value for p in VLLM_INSTALL)
 
@@ -30,12 +30,12 @@ def cuda(arch: str, *without: str) -> dict:
 @pytest.fixture(scope="module")
 def oracle():
     pytest.importorskip("vllm")
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
     return VllmOracle()
 
 
 def test_without_vllm_the_oracle_is_a_typed_error_naming_the_install(monkeypatch):
-    from moerules.engine.vllm_oracle import VllmOracle
+    from moerules.tools.vllm_oracle import VllmOracle
     monkeypatch.setitem(sys.modules, "vllm", None)   # `import vllm` now fails as if absent
     with pytest.raises(VllmUnavailableError, match=r"pip install 'vllm==0.33.0' --no-deps"):
         VllmOracle()

@@ -69,7 +69,7 @@ class Case:
 
 def case_from_decision(decision: Decision, *, tokens: tuple, seed: int) -> Case:
     """The case a decision describes; the ranks build it with moerules.build(decision, ...)."""
-    from moerules.builder import placement_for
+    from moerules.kernels.builder import placement_for
     c = decision.config
     return Case(pf=decision.prepare_finalize_kernel, placement=placement_for(decision).kind.value,
                 kernel=decision.kernel, cell=Scheme.from_quant(c.quant).cell, dtype=c.model.in_dtype.value,
@@ -111,7 +111,7 @@ def build_rank_layer(case: Case, rank: int):
     weights = global_weights(case)
     if case.decision:
         decision = Decision.model_validate_json(case.decision)
-        from moerules.builder import placement_for
+        from moerules.kernels.builder import placement_for
         shard = shard_weights(weights, placement_for(decision), rank, activation=Activation(case.activation))
         return moerules.build(decision, shard, group=dist.group.WORLD, timeout_s=case.timeout_s)
     placement = case.placement_obj()

@@ -1,4 +1,4 @@
-"""`torchrun -m moerules.launch`: the documented command runs EP on gloo ranks and matches one device."""
+"""`torchrun -m moerules.tools.cli.launch`: the documented command runs EP on gloo ranks and matches one device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moerules.launch import EXIT_INPUT, main
+from moerules.tools.cli.launch import EXIT_INPUT, main
 
 from rank_pool import free_port
 
@@ -17,8 +17,8 @@ EXAMPLE = "examples/mixtral-ep2-cpu.yaml"
 
 def test_the_example_runs_under_torchrun_and_matches_one_device():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), "-m", "moerules.launch", EXAMPLE, "--json",
-                           "--tokens", "16", "--iters", "1", "--timeout", "60", "--dist-backend", "gloo"],
+                           "127.0.0.1", "--master-port", str(free_port()), "-m", "moerules.tools.cli.launch", EXAMPLE,
+                           "--json", "--tokens", "16", "--iters", "1", "--timeout", "60", "--dist-backend", "gloo"],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(proc.stdout)
@@ -32,8 +32,8 @@ def test_the_launcher_refuses_a_rank_count_the_config_does_not_span(monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main([str(ROOT / EXAMPLE)]) == EXIT_INPUT
     assert capsys.readouterr().err.strip() == (
-        "moerules.launch: the config spans 2 ranks (tp=1 x dp=2) but torchrun started 4; use --nproc-per-node 2 "
-        "or change tp/dp")
+        "moerules.tools.cli.launch: the config spans 2 ranks (tp=1 x dp=2) but torchrun started 4; "
+        "use --nproc-per-node 2 or change tp/dp")
 
 
 def test_the_launcher_needs_torchrun(monkeypatch, capsys):

@@ -21,7 +21,7 @@ ANY_INTS = BAD_INTS + ["1", "2", "7"]
 BAD_FLOATS = ["0", "-1", "nan", "inf", "-inf", "abc", "", "1e999"]
 STRINGS = ["", "\x01", "x" * 5000, "é", "-", "--", "cuda", "meta", "bogus", "cuda:7", "cpu:99", ":", "cuda:sm_90",
            "rocm:gfx950", "cpu", "triton,aiter", ",,,", "mixtral-8x7b", "deepseek-v3", "auto", "triton"]
-# Values each bounded option refuses at parse time (argparse types in engine/cli.py).
+# Values each bounded option refuses at parse time (argparse types in tools/cli/main.py).
 REFUSED = {"--workers": ["0", "-1", str(2 ** 70), "abc", ""], "--sample": ["0", "-3", str(2 ** 70), "abc", "1e3"],
            "--limit": ["-1", "abc", "+-2"], "--random": ["-1", "abc", str(10 ** 7)],
            "--seed": ["-5", "x", str(2 ** 70), "0x10"], "--tokens": ["0", "-1", str(10 ** 9), "abc"]}
@@ -69,7 +69,7 @@ class Files:
 
     def _golden(self, name: str, data) -> str:
         """A golden folder whose matrix file and conformance report both hold `data` (None: a malformed line)."""
-        from moerules.engine.conformance import COLUMNS as CONFORMANCE
+        from moerules.tools.conformance import COLUMNS as CONFORMANCE
         folder = self.root / f"golden-{name}"
         (folder / "decisions").mkdir(parents=True, exist_ok=True)
         (folder / "decisions" / "cuda-sm_90.txt").write_bytes(

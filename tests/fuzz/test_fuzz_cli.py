@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cli_cases import LONG_NAME, Files, cases
 
-from moerules.engine.cli import main
+from moerules.tools.cli.main import main
 from moerules.errors import ConfigFileError
 
 IN_PROCESS = 1200
@@ -141,7 +141,7 @@ def test_debug_shows_the_traceback(files):
 
 
 def test_a_bug_behind_the_boundary_is_one_line_that_says_so(monkeypatch, files):
-    import moerules.engine.cli as cli
+    import moerules.tools.cli.main as cli
     monkeypatch.setattr(cli, "cmd_decide", lambda args: {}["boom"])
     code, stderr = in_process(["decide", files.tiny])
     assert code == 2 and stderr == ("moerules: internal error: KeyError: 'boom' (a bug in moerules: rerun with "

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from moerules import load_rules
-from moerules.engine.cli import build_config, make_parser
+from moerules.tools.cli.main import build_config, make_parser
 from moerules.engine.decide import decide
 from moerules.errors import ConfigFileError, MoeRulesError, RuleFileError, RuleSetError
 from moerules.resources import default_rules_dir

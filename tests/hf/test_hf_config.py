@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from moerules import MoEConfig, decide
-from moerules.engine.cli import main
+from moerules.tools.cli.main import main
 from moerules.errors import HFConfigError
 from moerules.hf_config import hf_layers, hf_sections
 

@@ -18,7 +18,7 @@ from moerules import decide
 from moerules.config import MoEConfig, Package
 from moerules.decision import Decision, Outcome
 from moerules.errors import BackendRejectedError
-from moerules.engine.matrix import QUANTS
+from moerules.tools.matrix import QUANTS
 from moerules.presets import PRESETS
 
 OUR_BACKENDS = ("triton", "batched_triton", "torch_grouped_mm", "torch_reference")

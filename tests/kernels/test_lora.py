@@ -21,7 +21,6 @@ from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_in
 
 from moerules.activation import Activation, Dtype
 from moerules.kernels import KernelBuildError, LoRAWeights, build_layer, make_random_lora, make_random_weights
-from moerules.kernels.registry import EXPERTS, experts_class
 
 TRITON_TOL = 2e-3 if TRITON_DTYPE == Dtype.fp16 else 1e-2
 WEIGHT_ONLY_CELLS = ["unquantized", "fp8_w8a16/tensor", "fp8_w8a16/channel", "fp8_w8a16/block128",
@@ -250,12 +249,6 @@ def test_inconsistent_adapters_are_rejected():
     with pytest.raises(ValueError, match=r"w13_lora_a \(4, 4, 64\) sets \(experts, rank\) = \(4, 4\), but w2_lora_b "
                                          r"has \(experts, rank\) \(4, 3\)"):
         dataclasses.replace(lora, w2_lora_b=lora.w2_lora_b[:, :, :3])
-
-
-def test_registry_lora_flags_match_the_classes():
-    assert {k for k, s in EXPERTS.items() if s.supports_lora} == {"triton.fused_moe", "torch.reference"}
-    for kernel_id, spec in EXPERTS.items():
-        assert experts_class(kernel_id).supports_lora == spec.supports_lora, kernel_id
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot is only right on a GPU")

@@ -19,7 +19,7 @@ from moerules import build, decide
 from moerules.config import MoEConfig
 from moerules.decision import Outcome
 from moerules.errors import BackendRejectedError
-from moerules.engine import matrix, matrix_golden
+from moerules.tools import matrix, matrix_golden
 from moerules.engine.decide import Engine
 from moerules.engine.loader import load_rules
 from moerules.kernels import make_random_weights

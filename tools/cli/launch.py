@@ -1,6 +1,6 @@
 """Run one MoE layer with expert parallelism over torch.distributed ranks, checked against one device.
 
-    torchrun --nproc-per-node 2 -m moerules.launch examples/mixtral-ep2-cpu.yaml
+    torchrun --nproc-per-node 2 -m moerules.tools.cli.launch examples/mixtral-ep2-cpu.yaml
 
 Every rank decides the config (decisions are deterministic, so all ranks agree), shards the
 seeded global weights for the decision's placement, and runs forwards on its own tokens
@@ -29,11 +29,11 @@ QUANTIZED_TOLERANCE = 8e-2
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from moerules.engine.cli import DEBUG_HELP, SEED, _config_arguments, bounded_int, positive_number
+    from moerules.tools.cli.main import DEBUG_HELP, SEED, config_arguments, bounded_int, positive_number
     from moerules.limits import MAX_RUN_TOKENS
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _config_arguments(parser)
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m moerules.tools.cli.launch",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    config_arguments(parser)
     parser.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=64,
                         help="tokens per data-parallel replica (default 64)")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the weights and tokens")
@@ -49,29 +49,29 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from moerules.engine.cli import run_guarded
+    from moerules.tools.cli.main import run_guarded
     args = make_parser().parse_args(argv)
-    return run_guarded(lambda: _launch(args), prog="moerules.launch", debug=args.debug)
+    return run_guarded(lambda: _launch(args), prog="moerules.tools.cli.launch", debug=args.debug)
 
 
 def _launch(args) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("moerules.launch runs under torchrun, which starts the ranks: "
-              "torchrun --nproc-per-node N -m moerules.launch CONFIG", file=sys.stderr)
+        print("moerules.tools.cli.launch runs under torchrun, which starts the ranks: "
+              "torchrun --nproc-per-node N -m moerules.tools.cli.launch CONFIG", file=sys.stderr)
         return EXIT_INPUT
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         decision = _decide(args, world)
     except ValueError as error:
         if rank == 0:
-            print(f"moerules.launch: {error}", file=sys.stderr)
+            print(f"moerules.tools.cli.launch: {error}", file=sys.stderr)
         return EXIT_INPUT
     return _run(args, decision, rank, world)
 
 
 def _decide(args, world: int):
-    from moerules.builder import ranks_of
-    from moerules.engine.cli import InputError, build_config
+    from moerules.kernels.builder import ranks_of
+    from moerules.tools.cli.main import InputError, build_config
     from moerules.engine.decide import decide
     from moerules.errors import BackendRejectedError
     try:
@@ -94,7 +94,7 @@ def _run(args, decision, rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from moerules.builder import build, placement_for
+    from moerules.kernels.builder import build, placement_for
     from moerules.kernels import make_random_weights
     from moerules.kernels.ep import init_distributed, shard_weights
 

@@ -16,7 +16,7 @@ import json
 import re
 from pathlib import Path
 
-from moerules.engine.matrix import COLUMNS
+from moerules.tools.matrix import COLUMNS
 from moerules.engine.textfile import is_folder, read_text
 from moerules.errors import TableFileError
 from moerules.limits import MAX_TABLE_BYTES

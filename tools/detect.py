@@ -7,17 +7,8 @@ import platform as _host
 
 import os
 
-from moerules.config import HUMMING_GEMM_VARIABLE, SWITCH_VARIABLES, Package, Platform, Switch, Switches, Vendor
-
-# Which importable module proves a kernel package is present.
-_PROBES = {
-    Package.triton: "triton", Package.aiter: "aiter", Package.flashinfer: "flashinfer",
-    Package.deep_gemm: "deep_gemm", Package.vllm_cutlass: "vllm", Package.marlin: "vllm",
-    Package.triton_kernels: "triton_kernels", Package.deep_ep: "deep_ep", Package.mori: "mori",
-    Package.nixl_ep: "nixl_ep", Package.xpu_kernels: "vllm_xpu_kernels", Package.humming: "humming",
-    Package.moonep: "moonep", Package.vllm: "vllm", Package.b12x: "b12x", Package.hpc: "hpc",
-    Package.zentorch: "zentorch_op", Package.vllm_cpu: "vllm._C",
-}
+from moerules.config import (HUMMING_GEMM_VARIABLE, PACKAGE_DECLARATIONS, SWITCH_VARIABLES, Package, Platform, Switch,
+                             Switches, Vendor)
 
 
 def detect_switches(environ=os.environ) -> Switches:
@@ -40,7 +31,8 @@ def _present(module: str) -> bool:
 
 
 def detect() -> Platform:
-    packages = frozenset(p for p, module in _PROBES.items() if _present(module))
+    # each package's probe module is data, beside the package, in rules/05-packages.yaml
+    packages = frozenset(Package(name) for name, entry in PACKAGE_DECLARATIONS.items() if _present(entry["probe"]))
     try:
         import torch
     except ImportError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from moerules.builder import BIASED_ROUTING, build, default_device
+from moerules.kernels.builder import BIASED_ROUTING, build, default_device
 from moerules.decision import Decision
 from moerules.errors import RequestError
 from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS

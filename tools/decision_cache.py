@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 
 from pydantic import BaseModel
 
-import moerules
+from moerules import config
 from moerules.engine import decide
 
 log = logging.getLogger("moerules")
@@ -48,7 +48,7 @@ def config_key(config: BaseModel) -> str:
 def code_fingerprint() -> str:
     """Digest of the sources a decision depends on (the vocabulary and the engine)."""
     digest = hashlib.sha256()
-    for folder in (Path(moerules.__file__).parent, Path(decide.__file__).parent):
+    for folder in (Path(config.__file__).parent, Path(decide.__file__).parent):
         for source in sorted(folder.glob("*.py")):
             digest.update(source.name.encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()

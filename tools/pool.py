@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 
 from moerules.config import MoEConfig
 from moerules.engine.decide import Engine, evaluator_name
-from moerules.engine.decision_cache import DecisionCache, config_key
-from moerules.engine.progress import Progress
+from moerules.tools.decision_cache import DecisionCache, config_key
+from moerules.tools.progress import Progress
 from moerules.engine.ruleset import RuleSet
 
 Task = Callable[[Engine, MoEConfig], dict]   # module-level, so a spawned worker can import it

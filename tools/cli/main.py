@@ -8,20 +8,20 @@ import json
 import os
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
 from pydantic import ValidationError
 
-from moerules import __version__
 from moerules.config import MoEConfig
 from moerules.errors import BackendRejectedError, ConfigFileError, MoeRulesError, TableFileError
-from moerules.engine.config_flags import add_config_flags, flag_sections
 from moerules.engine.loader import structure_error
 from moerules.engine.textfile import is_folder, is_regular_file, read_text
 from moerules.engine.yamlsource import YamlDocument
 from moerules.limits import DEFAULT_CPU_RUN_GIB, MAX_RUN_TOKENS, MAX_SEED, MAX_TABLE_BYTES
 from moerules.presets import PRESETS, preset
+from moerules.tools.cli.flags import add_config_flags, flag_sections
 
 OK, UNSUPPORTED, INVALID = 0, 1, 2
 INTERRUPTED = 130  # the shell's code for Ctrl-C
@@ -121,7 +121,7 @@ def build_config(args) -> MoEConfig:
     flags = _flags_to_sections(args)
     data = _merge(data, flags)
     if args.detect:
-        from moerules.engine.detect import detect, detect_switches
+        from moerules.tools.detect import detect, detect_switches
         data["platform"] = detect().model_dump(include={"vendor", "arch", "packages", "torch_grouped_mm", "cpu_amx"})
         data["switches"] = detect_switches().model_dump()
     try:
@@ -213,7 +213,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    from moerules.engine import lint
+    from moerules.tools import lint
     report, ruleset = lint.static_checks(args.rules)
     static = len(report.findings)
     if not args.json and report.lines():  # static findings first: coverage takes a while
@@ -231,7 +231,7 @@ def cmd_lint(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from moerules.engine import schema_export
+    from moerules.tools import schema_export
     from moerules.resources import schema_dir
     out = Path(args.out) if args.out else schema_dir()
     if args.check:
@@ -248,12 +248,12 @@ def cmd_schema(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from moerules.run import run_example
+    from moerules.tools.cli.run import run_example
     decision = _decision(args)
     print(decision.describe())
     if decision.outcome.value != "selected":
         return UNSUPPORTED
-    from moerules.run import RUN_STAGES
+    from moerules.tools.cli.run import RUN_STAGES
     with _progress(args, RUN_STAGES, "run") as bar:
         report = run_example(decision, num_tokens=args.tokens, seed=args.seed, device=args.device,
                              max_gib=args.max_gib, stage=bar.stage)
@@ -264,7 +264,7 @@ def cmd_run(args) -> int:
 
 @contextlib.contextmanager
 def _progress(args, total: int, label: str):
-    from moerules.engine.progress import progress
+    from moerules.tools.progress import progress
     bar = progress(total, label, quiet=args.quiet)
     try:
         yield bar
@@ -273,7 +273,7 @@ def _progress(args, total: int, label: str):
 
 
 def _pool_options(args, bar) -> dict:
-    from moerules.engine.decision_cache import default_root
+    from moerules.tools.decision_cache import default_root
     root = None if args.no_cache else Path(args.cache) if args.cache else default_root()
     if args.cache and not args.no_cache:
         _check_writable_folder(root)
@@ -281,12 +281,12 @@ def _pool_options(args, bar) -> dict:
 
 
 def _matrix_cells(ruleset) -> list:
-    from moerules.engine import matrix
+    from moerules.tools import matrix
     return list(matrix.cells(ruleset.backends))
 
 
 def cmd_matrix(args) -> int:
-    from moerules.engine import matrix, matrix_golden
+    from moerules.tools import matrix, matrix_golden
     from moerules.engine.decide import engine_for
     out = Path(args.out)
     golden = out / "decisions"
@@ -318,7 +318,7 @@ def cmd_matrix(args) -> int:
 
 
 def _write_matrix_page(args, engine, page: Path) -> Path:
-    from moerules.engine import matrix_html
+    from moerules.tools import matrix_html
     cells = matrix_html.page_cells()
     with _progress(args, len(cells), "matrix page") as bar:
         explained = matrix_html.build(engine.ruleset, args.engine, cells, **_pool_options(args, bar))
@@ -327,8 +327,8 @@ def _write_matrix_page(args, engine, page: Path) -> Path:
 
 
 def cmd_diff(args) -> int:
-    from moerules.engine import matrix
-    from moerules.engine.ruleset_source import resolve
+    from moerules.tools import matrix
+    from moerules.tools.ruleset_source import resolve
     old, new = resolve(args.old), resolve(args.new)
     cells = [] if args.no_matrix else list(matrix.cells({**old.backends, **new.backends}))
     cells += list(matrix.random_cells(args.random, args.seed))
@@ -353,7 +353,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_mutate(args) -> int:
-    from moerules.engine import mutate
+    from moerules.tools import mutate
     from moerules.engine.loader import load_rules
     ruleset = load_rules(args.rules)
     if args.report:
@@ -376,10 +376,55 @@ def cmd_mutate(args) -> int:
     return UNSUPPORTED if survivors else OK
 
 
-def cmd_conformance(args) -> int:
-    from moerules.engine import conformance, matrix
+def cmd_test(args) -> int:
     from moerules.engine.loader import load_rules
-    from moerules.engine.vllm_oracle import VLLM_VERSION, VllmOracle, vllm_family
+    from moerules.resources import default_rules_dir
+    from moerules.tools import rule_cases
+    rules_dir = Path(args.rules) if args.rules else default_rules_dir()
+    if not is_folder(rules_dir):
+        raise InputError(f"{rules_dir}: cases live in the cases/ folder beside the rule files; give --rules a folder")
+    ruleset = load_rules(rules_dir, display="rules" if args.rules is None else None)
+    results = rule_cases.run(rules_dir, ruleset, args.engine)
+    failed = [r for r in results if r.problem]
+    missing = rule_cases.missing_case_files(rules_dir, ruleset)
+    for result in failed:
+        print(f"{result.where}: [{result.rule}] {result.problem}")
+    for name in missing:
+        print(f"{rules_dir.name}/{name}: holds rules but has no case file {rules_dir.name}/{rule_cases.CASES}/{name}")
+    print(f"{len(results) - len(failed)} of {len(results)} cases hold")
+    short = False
+    if args.coverage or args.min_coverage is not None or args.suggest:
+        covered = rule_cases.coverage(ruleset, results)
+        for file_name, ids in covered.uncovered.items():
+            print(f"no case names {len(ids)} rule(s) of {file_name}: {', '.join(ids)}")
+        for rule_id in covered.deviations:
+            print(f"{rule_id} has `deviation:` but no case: a deviation is defended by name")
+        print(f"coverage: {covered.percent:.1f}% of {covered.total} rules have a case that holds")
+        short = bool(covered.deviations) or (args.min_coverage is not None and covered.percent < args.min_coverage)
+        if args.suggest:
+            _print_drafts(ruleset, args.engine, {i for ids in covered.uncovered.values() for i in ids})
+    return UNSUPPORTED if failed or missing or short else OK
+
+
+def _print_drafts(ruleset, engine: str, rule_ids: set) -> None:
+    """A draft case for each rule, from the first matrix cell where it acts: printed for review, never written."""
+    import yaml
+    from moerules.engine.decide import Engine
+    from moerules.tools import rule_cases
+    found = rule_cases.suggest(Engine(ruleset, engine), rule_ids, (c.config for c in _matrix_cells(ruleset)))
+    by_file: dict = {}
+    for rule_id in sorted(found, key=lambda i: ruleset.position(ruleset.rule(i))):
+        by_file.setdefault(rule_cases.rule_file(ruleset, rule_id), []).append(rule_cases.draft(rule_id, *found[rule_id]))
+    for file_name, drafts in by_file.items():
+        print(f"# drafts for {rule_cases.CASES}/{file_name}\n" + yaml.safe_dump(drafts, sort_keys=False, default_flow_style=None, width=110))
+    for rule_id in sorted(rule_ids - set(found)):
+        print(f"# {rule_id} acts on no matrix cell: write its case by hand")
+
+
+def cmd_conformance(args) -> int:
+    from moerules.tools import conformance, matrix
+    from moerules.engine.loader import load_rules
+    from moerules.tools.vllm_oracle import VLLM_VERSION, VllmOracle, vllm_family
     ruleset = load_rules(args.rules)
     out = Path(args.out)
     committed = out / "conformance.csv"
@@ -454,7 +499,7 @@ SAMPLE = bounded_int(1, 10 ** 9)
 DEBUG_HELP = "show the traceback of any error (for bug reports)"
 
 
-# Options of the commands that take a config (decide, explain, run, moerules.launch): a config field
+# Options of the commands that take a config (decide, explain, run, moerules.tools.cli.launch): a config field
 # of the same name gets its section as a prefix instead.
 _OWN_OPTIONS = frozenset({"--model", "--hf-config", "--hf-layer", "--platform", "--detect", "--rules", "--engine",
                           "--json", "--all", "--debug", "--quiet", "--tokens", "--seed", "--device", "--max-gib",
@@ -463,7 +508,7 @@ _CONFIG_USAGE = ("moerules {} [CONFIG | --model PRESET | --hf-config PATH] [--pl
                  "       [--FIELD VALUE ...] [options]   (a flag per MoEConfig field: see below)")
 
 
-def _config_arguments(parser: argparse.ArgumentParser) -> None:
+def config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="config file (YAML or JSON) with MoEConfig sections")
     parser.add_argument("--model", help=f"model preset instead of a file: {', '.join(sorted(PRESETS))}")
     parser.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its model folder): the "
@@ -507,12 +552,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moerules", description=__doc__.splitlines()[0] + (
         " Decide, explain and run the fused-MoE kernel backend for a layer."))
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    parser.add_argument("--version", action="version", version=f"moerules {__version__}")
+    parser.add_argument("--version", action="version", version=f"moerules {metadata.version('moerules')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, func, text in (("decide", cmd_decide, "print the decision as one line (or --json)"),
                              ("explain", cmd_explain, "winner, alternatives and every rejection with rule and file:line")):
         sub = commands.add_parser(name, help=text, description=text, usage=_CONFIG_USAGE.format(name))
-        _config_arguments(sub)
+        config_arguments(sub)
         sub.add_argument("--json", action="store_true", help="the stable JSON record")
         if name == "explain":
             sub.add_argument("--all", action="store_true", help="every rejection of every component, dispatchers "
@@ -584,10 +629,20 @@ def make_parser() -> argparse.ArgumentParser:
     conform.add_argument("--limit", type=LIMIT, default=50, help="changed configs to print (default 50)")
     conform.add_argument("--quiet", action="store_true", help="no progress line")
     conform.set_defaults(func=cmd_conformance)
+    test = commands.add_parser("test", help="run the cases beside each rule file (rules/cases/)",
+                               description="run every case of rules/cases/ (config -> the rule's rejection or "
+                                           "firing, and the winner); --coverage lists the rules no case defends")
+    _rules_arguments(test)
+    test.add_argument("--coverage", action="store_true", help="list the rules no case that holds names")
+    test.add_argument("--min-coverage", type=bounded_int(0, 100), metavar="PERCENT",
+                      help="fail (exit 1) when fewer rules than this have a case (implies --coverage)")
+    test.add_argument("--suggest", action="store_true", help="print a draft case for each uncovered rule, from "
+                                                             "the first matrix cell where it acts (review it)")
+    test.set_defaults(func=cmd_test)
     run = commands.add_parser("run", help="decide, build the layer with seeded weights, run one forward",
                               usage=_CONFIG_USAGE.format("run"),
                               description="decide, build the layer with seeded weights, run one forward pass")
-    _config_arguments(run)
+    config_arguments(run)
     run.add_argument("--tokens", type=bounded_int(1, MAX_RUN_TOKENS), default=16,
                      help="tokens in the forward pass (default 16)")
     run.add_argument("--seed", type=SEED, default=0)

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from moerules.config import MoEConfig
 
 from moerules.errors import EngineError, RuleSetError
-from moerules.engine import matrix, pool
+from moerules.tools import matrix, pool
 from moerules.engine.compiler import compile_rules
 from moerules.decision import ReasonCode
 from moerules.engine.decide import Engine

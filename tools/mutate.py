@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 from moerules.errors import MoeRulesError
-from moerules.engine import matrix
+from moerules.tools import matrix
 from moerules.engine.decide import Engine
 from moerules.engine.expr import And, Not, render
 from moerules.engine.ruleset import Rule, RuleSet

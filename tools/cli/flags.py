@@ -109,7 +109,7 @@ def _kind(annotation) -> tuple[type, Optional[list[str]]]:
         return str, [member.value for member in annotation]
     if annotation in (bool, int, float, str):
         return annotation, None
-    raise TypeError(f"no command-line type for a field of type {annotation!r}: teach engine/config_flags.py")
+    raise TypeError(f"no command-line type for a field of type {annotation!r}: teach tools/cli/flags.py")
 
 
 def _shown(default) -> str:

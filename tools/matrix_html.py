@@ -10,11 +10,11 @@ import json
 import math
 from typing import Optional
 
-from moerules.engine import pool
+from moerules.tools import pool
 from moerules.engine.decide import Engine
-from moerules.engine.matrix import (ACTIVATIONS, ALIGNMENTS, PARALLELS, PLATFORMS, QUANTS, Cell, _cell, _quant_name,
+from moerules.tools.matrix import (ACTIVATIONS, ALIGNMENTS, PARALLELS, PLATFORMS, QUANTS, Cell, _cell, _quant_name,
                                     beaten, decide_config, ranking)
-from moerules.engine.progress import Progress
+from moerules.tools.progress import Progress
 from moerules.engine.ruleset import RuleSet
 from moerules.errors import EngineError
 from moerules.config import MoEConfig

@@ -16,10 +16,10 @@ from moerules.config import VLLM_INSTALL, All2AllBackend, MoEConfig, Package, Ro
 from moerules.quant import QuantFamily
 from moerules.decision import Decision
 from moerules.errors import BackendRejectedError, EngineError
-from moerules.engine import pool
+from moerules.tools import pool
 from moerules.engine.decide import Engine
 from moerules.engine.evaluate import effective_order
-from moerules.engine.progress import Progress
+from moerules.tools.progress import Progress
 from moerules.engine.ruleset import Declared, RuleSet
 
 PLATFORMS = [("cuda", "sm_70"), ("cuda", "sm_75"), ("cuda", "sm_80"), ("cuda", "sm_89"), ("cuda", "sm_90"),

@@ -1,0 +1,1 @@
+"""The `moerules` command: one parser (main), its config flags, and the run/launch subcommands."""

@@ -87,6 +87,9 @@ class Backend(_Component):
             return self.vllm_backend.get(family)
         return self.vllm_backend
 
+    pin_only: bool = Field(False, description=(
+        "vLLM 0.33 runs it only when pinned (no auto-mode order of its lists it), so no priority rule may list it; "
+        "a backend without this flag must be listed by one, or lint reports it as unranked."))
     monolithic: bool = False
     lora: bool = False
     bias: bool = True

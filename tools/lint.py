@@ -85,7 +85,22 @@ def static_checks(rules=None) -> tuple[LintReport, Optional[RuleSet]]:
     except RuleSetError as error:
         _errors(report, "capacity", error)
         return report, None
+    ranking_checks(ruleset, report)
     return report, ruleset
+
+
+def ranking_checks(ruleset: RuleSet, report: LintReport) -> None:
+    """Every backend is ranked by some priority rule or declared `pin_only`, never both: a new backend left
+    out of every order would otherwise never win in auto mode, and no check would say so."""
+    ranked = {name for rule in ruleset.priorities for name in rule.item.backends}
+    for name, declared in ruleset.backends.items():
+        if declared.item.pin_only and name in ranked:
+            report.add("error", "priority.pin_only", f"{name} is declared pin_only but a priority rule lists it: "
+                       "drop `pin_only: true` or take it out of the order", str(declared.source))
+        elif not declared.item.pin_only and name not in ranked:
+            report.add("error", "priority.unranked", f"{name} is listed by no priority rule, so auto mode never "
+                       "selects it: add it to its platform's order, or declare `pin_only: true` if vLLM runs it "
+                       "only when pinned", str(declared.source))
 
 
 def _errors(report: LintReport, code: str, error: RuleSetError) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
 from moerules.config import All2AllBackend
 from moerules.tools.cli.main import main
-from moerules.tools.lint import lint
+from moerules.tools.lint import lint, static_checks
 from moerules.tools import schema_export
-from moerules.resources import schema_dir
+from moerules.resources import default_rules_dir, schema_dir
 
 from decision_helpers import config, cuda, rocm
 
@@ -38,6 +39,31 @@ def test_lint_reports_a_dispatch_gap(rules_without):
 def test_lint_reports_unreachable_components(rules_without):
     report = lint(rules_without("dispatch.a2a.nixl_ep"), configs=SMALL_GRID)
     assert any(f.code == "unreachable" and f.message.startswith("nixl_ep ") for f in report.findings)
+
+
+def _edited_rules(tmp_path, file: str, old: str, new: str):
+    out = tmp_path / "rules"
+    shutil.copytree(default_rules_dir(), out)
+    text = (out / file).read_text()
+    assert text.count(old) == 1
+    (out / file).write_text(text.replace(old, new))
+    return out
+
+
+def test_lint_reports_a_backend_no_priority_ranks(tmp_path):
+    # b12x is pin-only in vLLM 0.33; without the flag nothing would ever rank it in auto mode
+    rules = _edited_rules(tmp_path, "15-vllm-components.yaml", "  - id: b12x\n    pin_only: true\n", "  - id: b12x\n")
+    [error] = static_checks(rules)[0].errors
+    line = (rules / "15-vllm-components.yaml").read_text().split("\n").index("  - id: b12x") + 1
+    assert error.code == "priority.unranked" and error.where == f"{rules}/15-vllm-components.yaml:{line}"
+    assert error.message.startswith("b12x is listed by no priority rule, so auto mode never selects it")
+
+
+def test_lint_reports_a_ranked_backend_declared_pin_only(tmp_path):
+    rules = _edited_rules(tmp_path, "10-components.yaml", "  - id: triton\n", "  - id: triton\n    pin_only: true\n")
+    [error] = static_checks(rules)[0].errors
+    assert error.code == "priority.pin_only"
+    assert error.message.startswith("triton is declared pin_only but a priority rule lists it")
 
 
 def test_lint_reports_load_errors_with_location(tmp_path):

@@ -115,8 +115,15 @@ VARIATIONS: dict[str, dict] = {
     "switch=rocm_use_aiter=on+rocm_use_aiter_moe=off": {"switches": {"rocm_use_aiter": "on", "rocm_use_aiter_moe": "off"}},
     # AITER pads a small unquantised intermediate (<= 192) to a multiple of 64, a larger one to 128.
     "intermediate=160": {"model": {"moe_intermediate_size": 160}},
-    # a multiple of 8, not of 16: FlashInfer's per-tensor FP8 pads to 16
+    # a multiple of 8, not of 16: FlashInfer's per-tensor FP8 pads to 16 (its per-tensor keys: a ModelOpt checkpoint)
     "intermediate=2056": {"model": {"moe_intermediate_size": 2056}},
+    "checkpoint=modelopt+intermediate=2056": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False},
+                                              "model": {"moe_intermediate_size": 2056}},
+    # a multiple of 16, not of 32: vLLM's CPU experts pad to 32, to 16 for bf16 on POWER
+    "intermediate=2064": {"model": {"moe_intermediate_size": 2064}},
+    "act=relu2_no_mul+intermediate=2080": {"model": {"activation": "relu2_no_mul", "moe_intermediate_size": 2080}},
+    # a decode batch of 1 token: the measured Hopper MXFP4 order for gpt-oss (swigluoai) applies
+    "act=swigluoai+num_tokens_hint=1": {"model": {"activation": "swigluoai"}, "features": {"num_tokens_hint": 1}},
     # a non-gated layer (Nemotron-H style) whose intermediate is a multiple of 64, not of 128: TRT-LLM/CuteDSL
     # NVFP4 pad it to 128 there, to 64 when gated
     "act=relu2_no_mul+intermediate=2112": {"model": {"activation": "relu2_no_mul", "moe_intermediate_size": 2112}},
@@ -137,6 +144,11 @@ VARIATIONS: dict[str, dict] = {
         "parallel": {"dp": 2, "expert_parallel": True, "all2all_backend": "deepep_low_latency"},
         "platform": {"packages": [q.value for q in Package if q != Package.triton]}},
 }
+
+
+# (CPU arch, variation) beyond the product's x86_64 cells, for vLLM's CPU experts (see cells()).
+CPU_ISA_CELLS = [("aarch64", ""), ("ppc64le", ""), ("x86_64", "intermediate=2064"), ("aarch64", "intermediate=2064"),
+                 ("ppc64le", "intermediate=2064")]
 
 
 # What a vendor's own experts wait for before they are considered at all (AITER: VLLM_ROCM_USE_AITER=1; vLLM's
@@ -175,9 +187,11 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
         yield _cell(platform, quant, parallel, lora, align, activation, packages, "auto")
     for platform, quant, align, pin in itertools.product(PLATFORMS, QUANTS, ALIGNMENTS, sorted(backends)):
         yield _cell(platform, quant, "single", False, align, "silu", "all", pin)
-    # An intermediate size that is a multiple of 32 but not 64: the round-ups of pin-only backends act here.
-    for platform, quant, pin in itertools.product(PLATFORMS, QUANTS, sorted(backends)):
-        yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, "intermediate=2080")
+    # An intermediate size that is a multiple of 32 but not 64, gated and not: the round-ups of pin-only backends
+    # act here, and the gated-only ones (b12x NVFP4) must not act on a non-gated layer.
+    for platform, quant, pin, variation in itertools.product(PLATFORMS, QUANTS, sorted(backends),
+                                                             ("intermediate=2080", "act=relu2_no_mul+intermediate=2080")):
+        yield _cell(platform, quant, "single", False, "aligned", "silu", "all", pin, variation)
     for platform, quant, variation in itertools.product(PLATFORMS, QUANTS, VARIATIONS):
         yield _cell(platform, quant, "single", False, "aligned", "silu", "all", "auto", variation)
     for enabler, (vendor, _) in ENABLERS.items():
@@ -200,9 +214,11 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
     # only when pinned, show their dtype limit here, and every backend's fp16 refusal is recorded pinned.
     for platform, quant, pin in itertools.product(PLATFORMS, QUANTS, sorted(backends)):
         yield _cell(platform, quant, "tp2_ep", False, "aligned", "silu", "all", pin, "dtype=fp16")
-    # CPUs other than x86: vLLM's CPU experts differ by ISA (AMX, NEON, VSX), auto and pinned.
-    for quant, pin in itertools.product(QUANTS, ("auto", "vllm_cpu")):
-        yield _cell(("cpu", "aarch64"), quant, "single", False, "aligned", "silu", "all", pin)
+    # vLLM's CPU experts differ by ISA (AMX, NEON, VSX) and pad the intermediate by ISA and dtype: auto and
+    # pinned on CPUs other than x86, and on every CPU at a multiple of 16 that is not one of 32.
+    for (arch, variation), quant, pin in itertools.product(CPU_ISA_CELLS, QUANTS, ("auto", "vllm_cpu")):
+        if (arch, pin) != ("x86_64", "auto"):   # x86_64 in auto mode: the variations above
+            yield _cell(("cpu", arch), quant, "single", False, "aligned", "silu", "all", pin, variation)
 
 
 def random_cells(count: int, seed: int = 0) -> Iterator[Cell]:

@@ -22,7 +22,7 @@ SECTIONS = ("constraints", "priorities", "dispatch", "plan")
 # defer behind MoRI). Each scenario re-decides some matrix cells with its rules removed, from
 # the mutant as from the original, so mutating the guard shows up. They mirror seed tests.
 SCENARIOS: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("aiter.prequantized_behind_mori",): ("rocm:gfx942|fp8_w8a8", "a2a_mori", "pkg=all", "pin=auto"),
+    ("aiter.prequantized_behind_mori",): ("rocm:gfx942|fp8_w8a8", "a2a=mori+switch=rocm_use_aiter=on"),
     # MoonEP experts run only behind the MoonEP dispatcher, which needs the same package: their own package
     # gate shows only once the pairing is gone.
     ("moonep.gate",): ("|unquantized|", "pin=moonep", "without_own_packages"),

@@ -48,7 +48,7 @@ CASES = [
      "vllm_emulation", "mxfp8_native.lora_not_applied", "Mxfp8NativeTritonExperts"),
     ("fp8_per_tensor_on_cpu",
      _config("cpu", "x86_64", CPU_VLLM, {"family": "fp8_w8a8"}),
-     "torch_reference", "fp8.order.cpu", None),
+     "torch_reference", "cpu.order", None),
     ("fp8_w8a16_on_rocm",
      _config("rocm", "gfx942", ROCM_VLLM, {"family": "fp8_w8a16"}),
      "triton", "fp8.order.w8a16", None),
@@ -72,7 +72,7 @@ CASES = [
      None, "flashinfer_nvlink.cuda", "AiterMxfp8Experts"),
     ("int8_swigluoai_on_cpu",
      _config("cpu", "x86_64", CPU_VLLM, {"family": "int8_w8a8"}, model={"activation": "swigluoai"}),
-     "torch_reference", "int8.order.cpu", None),
+     "torch_reference", "cpu.order", None),
 ]
 
 

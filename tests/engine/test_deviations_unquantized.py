@@ -80,7 +80,7 @@ CASES = [
     ("ours.half_precision", cfg(arch="sm_80", model=dict(in_dtype="fp32")), None, "TritonExperts"),
     ("ep.even_expert_split", cfg(model=dict(num_experts=6, top_k=2), parallel=dict(tp=4, expert_parallel=True)),
      None, "TritonExperts"),
-    ("unquantized.priority.cpu", cfg("cpu", "x86_64", CPU_VLLM, features=dict(batch_invariant=True)),
+    ("cpu.order", cfg("cpu", "x86_64", CPU_VLLM, features=dict(batch_invariant=True)),
      "torch_reference", None),
     ("demote.unquantized.ours_last", cfg(arch="sm_110", model=dict(num_experts=4096, top_k=8)),
      "torch_grouped_mm", None),

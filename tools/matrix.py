@@ -115,12 +115,11 @@ VARIATIONS: dict[str, dict] = {
     "switch=rocm_use_aiter=on+rocm_use_aiter_moe=off": {"switches": {"rocm_use_aiter": "on", "rocm_use_aiter_moe": "off"}},
     # AITER pads a small unquantised intermediate (<= 192) to a multiple of 64, a larger one to 128.
     "intermediate=160": {"model": {"moe_intermediate_size": 160}},
-    # a multiple of 8, not of 16: FlashInfer's per-tensor FP8 pads to 16 (its per-tensor keys: a ModelOpt checkpoint)
+    # a multiple of 8, not of 16: FlashInfer's per-tensor FP8 pads to 16 (its per-tensor keys: a ModelOpt checkpoint),
+    # vLLM's CPU experts to 32 (16 for bf16 on POWER)
     "intermediate=2056": {"model": {"moe_intermediate_size": 2056}},
     "checkpoint=modelopt+intermediate=2056": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False},
                                               "model": {"moe_intermediate_size": 2056}},
-    # a multiple of 16, not of 32: vLLM's CPU experts pad to 32, to 16 for bf16 on POWER
-    "intermediate=2064": {"model": {"moe_intermediate_size": 2064}},
     "act=relu2_no_mul+intermediate=2080": {"model": {"activation": "relu2_no_mul", "moe_intermediate_size": 2080}},
     # a decode batch of 1 token: the measured Hopper MXFP4 order for gpt-oss (swigluoai) applies
     "act=swigluoai+num_tokens_hint=1": {"model": {"activation": "swigluoai"}, "features": {"num_tokens_hint": 1}},
@@ -147,8 +146,8 @@ VARIATIONS: dict[str, dict] = {
 
 
 # (CPU arch, variation) beyond the product's x86_64 cells, for vLLM's CPU experts (see cells()).
-CPU_ISA_CELLS = [("aarch64", ""), ("ppc64le", ""), ("x86_64", "intermediate=2064"), ("aarch64", "intermediate=2064"),
-                 ("ppc64le", "intermediate=2064")]
+CPU_ISA_CELLS = [("aarch64", ""), ("ppc64le", ""), ("x86_64", "intermediate=2056"), ("aarch64", "intermediate=2056"),
+                 ("ppc64le", "intermediate=2056")]
 
 
 # What a vendor's own experts wait for before they are considered at all (AITER: VLLM_ROCM_USE_AITER=1; vLLM's
@@ -215,7 +214,8 @@ def cells(backends: Mapping[str, Declared]) -> Iterator[Cell]:
     for platform, quant, pin in itertools.product(PLATFORMS, QUANTS, sorted(backends)):
         yield _cell(platform, quant, "tp2_ep", False, "aligned", "silu", "all", pin, "dtype=fp16")
     # vLLM's CPU experts differ by ISA (AMX, NEON, VSX) and pad the intermediate by ISA and dtype: auto and
-    # pinned on CPUs other than x86, and on every CPU at a multiple of 16 that is not one of 32.
+    # pinned on CPUs other than x86, and on every CPU at a multiple of 8 that is not one of 16 (vLLM's CPU experts
+    # pad to 32, to 16 for bf16 on POWER).
     for (arch, variation), quant, pin in itertools.product(CPU_ISA_CELLS, QUANTS, ("auto", "vllm_cpu")):
         if (arch, pin) != ("x86_64", "auto"):   # x86_64 in auto mode: the variations above
             yield _cell(("cpu", arch), quant, "single", False, "aligned", "silu", "all", pin, variation)

@@ -8,14 +8,12 @@ The engine (durable-rules, or the reference evaluator) loads lazily, and the ker
 (torch, Triton) only when `build` is called, so deciding needs neither torch nor a GPU.
 """
 
-from importlib import metadata as _metadata
-
 from moerules.config import MoEConfig
 from moerules.decision import Decision, ReasonCode
 from moerules.errors import (BackendRejectedError, KernelUnavailableError, MoeRulesError,
                              RuleFileError, RuleSetError, UnknownBackendError)
 
-__version__ = _metadata.version("moerules")   # pyproject.toml declares it
+__version__ = "0.1.0"   # pyproject.toml reads it from here
 
 
 def decide(config, rules=None, engine: str = "auto") -> Decision:

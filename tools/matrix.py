@@ -120,6 +120,8 @@ VARIATIONS: dict[str, dict] = {
     "intermediate=2056": {"model": {"moe_intermediate_size": 2056}},
     "checkpoint=modelopt+intermediate=2056": {"quant": {"checkpoint": "modelopt", "activation_dynamic": False},
                                               "model": {"moe_intermediate_size": 2056}},
+    # POWER's VSX experts take bf16 only: an fp16 layer there gets the generic CPU experts' pad to 32
+    "dtype=fp16+intermediate=2056": {"model": {"in_dtype": "fp16", "moe_intermediate_size": 2056}},
     "act=relu2_no_mul+intermediate=2080": {"model": {"activation": "relu2_no_mul", "moe_intermediate_size": 2080}},
     # a decode batch of 1 token: the measured Hopper MXFP4 order for gpt-oss (swigluoai) applies
     "act=swigluoai+num_tokens_hint=1": {"model": {"activation": "swigluoai"}, "features": {"num_tokens_hint": 1}},
@@ -147,7 +149,7 @@ VARIATIONS: dict[str, dict] = {
 
 # (CPU arch, variation) beyond the product's x86_64 cells, for vLLM's CPU experts (see cells()).
 CPU_ISA_CELLS = [("aarch64", ""), ("ppc64le", ""), ("x86_64", "intermediate=2056"), ("aarch64", "intermediate=2056"),
-                 ("ppc64le", "intermediate=2056")]
+                 ("ppc64le", "intermediate=2056"), ("ppc64le", "dtype=fp16+intermediate=2056")]
 
 
 # What a vendor's own experts wait for before they are considered at all (AITER: VLLM_ROCM_USE_AITER=1; vLLM's

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then decide + explain a real layer, and run two layers on real kernels: gpt-oss-120b on an MI355 (gfx950) with AITER.
-# Its 2880-wide hidden size is not 256-aligned, so CK MXFP4 is rejected and Triton takes over:
-# the explanation names the rule, its file:line, and every other backend's rejection.
+# Its 2880-wide hidden size is not 256-aligned, so AITER's CK MXFP4 pads it to 3072 (as vLLM 0.33 does):
+# the explanation shows the padding, the ranking with each rule's file:line, and every other backend's rejection.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup.sh

@@ -46,7 +46,7 @@ def test_int8_w8a16_served_by_ours_where_vllm_has_none(vendor, arch, packages, o
     config = _config({"family": "int8_w8a16"}, vendor, arch, packages)
     decision = decide(config)
     assert decision.outcome == Outcome.selected and decision.backend == ours
-    assert "priority.int8_w8a16." + ("gpu" if vendor == "rocm" else "cpu") in decision.trace
+    assert ("priority.int8_w8a16.gpu" if vendor == "rocm" else "cpu.order") in decision.trace
     answer = _vllm(config)
     assert not answer.selected and answer.error.startswith("NotImplementedError")
 

@@ -38,7 +38,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +50,7 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
-from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
+from moerules.kernels.triton.config import (CONFIG_DIR, MoEConfig, _load_file, check_config,
                                            config_file_name, default_config, dtype_key)
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
@@ -294,46 +294,27 @@ class Bench:
         del junk
 
     # ---- tuning --------------------------------------------------------------------------------
-    def candidates(self, M: int, model: Model, scheme: Scheme):
-        block = scheme.weight_granularity == G.block128
-        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme)
-        if M * model.k * 4 <= model.E:
-            bms = [16]
-        else:
-            bms = sorted({base.BLOCK_M, min(128, base.BLOCK_M * 2)})
-        # 8-bit operands double BLOCK_K; MXFP4 keeps it (its tile is decoded to 16 bits in registers),
-        # MXFP8 steps exactly one 32-group.
-        kmul = 2 if scheme.weight_dtype is not None and not scheme.is_mx and not block else 1
-        wbytes, abytes = _operand_bytes(scheme)
-        for bm in bms:
-            # (BLOCK_N, BLOCK_K at 16-bit width); 8-bit operands double BLOCK_K (block scales cap it at 128).
-            shapes1 = [(32, 128), (64, 64), (64, 128), (128, 64)] if bm <= 32 else [(64, 64), (128, 64), (64, 128),
-                                                                                 (128, 32)]
-            shapes2 = [(32, 128), (64, 64), (64, 128), (128, 64)] if bm <= 32 else [(128, 64), (64, 64), (256, 64),
-                                                                                 (128, 32)]
-            warps, stages, group_m = (4, 4, 1) if bm <= 32 else (8, 3, 8)
-            g1s, g2s = [], []
-            for shapes, out, n_b in ((shapes1, g1s, 2), (shapes2, g2s, 1)):
-                for bn, bk in shapes:
-                    bk = min(bk * kmul, 128) if block else bk * kmul
-                    c = GemmConfig(bn, bk, group_m, warps if bn >= 64 else 4, stages)
-                    if scheme.is_mx and scheme.k_pack == 1:
-                        c = GemmConfig(bn, 32, group_m, c.num_warps, stages)
-                    # Shared memory per stage: the A tile plus n_b weight tiles; keep under ~200 KB.
-                    if stages * (bm * c.BLOCK_K * abytes + n_b * c.BLOCK_K * bn * wbytes) <= 200_000 and c not in out:
-                        out.append(c)
-            yield bm, (g1s[:1] if self.smoke else g1s), (g2s[:1] if self.smoke else g2s)
+    # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
+    # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
+    # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
+    GROUP_MS = (1, 8, 16, 32, 64)
+    WARPS = (4, 8)
+    STAGES = (2, 3, 4, 5)
+    SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
+        """Per (model, scheme, M): seed with the config in use, the heuristic and BLOCK_M x{1/2, 2}; then one
+        coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB,
+        keeping each field's best before the next. A config only replaces the one in use if it is faster."""
         from moerules.kernels.triton.launch import fused_moe
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
                 layer = self.layer(name, cell, "triton.fused_moe")
                 w = layer.weights
-                table = self.existing_table(model, w.scheme) if self.args.refine else {}
+                table = self.existing_table(model, w.scheme)
                 for M in self.ms(sname):
-                    if M > 4096 and not self.smoke and not self.args.refine:
+                    if M > 4096 and not self.smoke:
                         continue  # nearest-M lookup reuses the 4096 entry; saves device time
                     x, ids, tw = self.inputs(name, M)
                     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
@@ -345,61 +326,66 @@ class Bench:
                                          quantize_intermediate=lambda t: layer.experts.quantize_gemm_input(
                                              t, static_scale=w.a2_scale),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
-                    best = None
-                    if self.args.refine:
-                        best = self.refine(run, M, model, w.scheme)
-                    for bm, g1s, g2s in ([] if self.args.refine else self.candidates(M, model, w.scheme)):
-                        base = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=w.scheme)
-                        g2_fixed = base.gemm2 if base.gemm2 in g2s or not g2s else g2s[0]
-                        b1 = self.pick(run, [MoEConfig(bm, g, g2_fixed) for g in g1s])
-                        if b1 is None:
-                            continue
-                        b2 = self.pick(run, [MoEConfig(bm, b1[1].gemm1, g) for g in g2s])
-                        if b2 and (best is None or b2[0] < best[0]):
-                            best = b2
-                    if best:
-                        table[str(M)] = best[1].to_dict()
-                        self.log(f"tuned {name} {sname} M={M}: {best[0]:.1f} us {best[1]}")
-                        self.write_config(model, w.scheme, table)
+                    t0 = time.time()
+                    start = self.pick(run, self.seeds(M, model, w.scheme))
+                    best = self.sweep(run, start, M, model, w.scheme)
+                    table[str(M)] = best[1].to_dict()
+                    self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} -> {best[0]:.1f} us {best[1]} "
+                             f"({time.time() - t0:.0f} s)")
+                    self.write_config(model, w.scheme, table)
+
+    def seeds(self, M: int, model: Model, scheme: Scheme) -> list:
+        from moerules.kernels.triton.config import get_config
+        cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
+                         in_dtype_name=self.in_dtype.value, device_name=self.device_name())
+        heuristic = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme)
+        resized = [MoEConfig(bm, cur.gemm1, cur.gemm2) for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2) if 16 <= bm <= 128]
+        return self.valid([cur, heuristic, *resized], scheme)
+
+    def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
+        """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
+        m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
+        for which in ("gemm1", "gemm2"):
+            for field in ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB"):
+                g = getattr(best[1], which)
+                values = self.field_values(field, getattr(g, field), m_blocks)
+                cfgs = [replace(best[1], **{which: replace(g, **{field: v})}) for v in values]
+                found = self.pick(run, self.valid(cfgs, scheme))
+                if found and found[0] < best[0]:
+                    best = found
+        return best
+
+    def field_values(self, field: str, cur, m_blocks: int) -> list:
+        if field in ("BLOCK_N", "BLOCK_K"):
+            return [v for v in (cur // 2, cur * 2) if 16 <= v <= 256]
+        if field == "GROUP_M":  # only matters with several row blocks per column sweep
+            return [v for v in self.GROUP_MS if v != cur and v < m_blocks]
+        if field == "num_warps":
+            return [v for v in self.WARPS if v != cur]
+        if field == "num_stages":
+            return [v for v in self.STAGES if v != cur]
+        return [not cur]  # SWAP_AB
+
+    def valid(self, cfgs, scheme: Scheme) -> list:
+        """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory."""
+        wbytes, abytes = _operand_bytes(scheme)
+        ok = []
+        for c in cfgs:
+            try:
+                check_config(c, scheme)
+            except ValueError:
+                continue
+            fits = all(g.num_stages * g.BLOCK_K * (c.BLOCK_M * abytes + n_b * g.BLOCK_N * wbytes) <= self.SMEM_BYTES
+                       for g, n_b in ((c.gemm1, 2), (c.gemm2, 1)))  # GEMM1 stages the gate and the up tile
+            if fits and c not in ok:
+                ok.append(c)
+        return ok[:1] if self.smoke else ok
 
     def existing_table(self, model: Model, scheme: Scheme) -> dict:
         key = config_file_name(num_experts=model.E, intermediate=model.I, device_name=self.device_name(),
                                dtype=dtype_key(scheme, self.in_dtype.value))
         path = CONFIG_DIR / key
         return json.loads(path.read_text()) if path.is_file() else {}
-
-    def refine(self, run, M: int, model: Model, scheme: Scheme):
-        """Local search around the config in use: BLOCK_N x{1/2,1,2}, BLOCK_K x{1/2,2}, warps, stages."""
-        from moerules.kernels.triton.config import get_config
-        cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
-                         in_dtype_name=self.in_dtype.value, device_name=self.device_name())
-        wbytes, abytes = _operand_bytes(scheme)
-
-        def around(g: GemmConfig, n_b: int):
-            out = [g]
-            for bn in (g.BLOCK_N // 2, g.BLOCK_N, g.BLOCK_N * 2):
-                for bk in ((g.BLOCK_K // 2, g.BLOCK_K, g.BLOCK_K * 2) if bn == g.BLOCK_N else (g.BLOCK_K,)):
-                    for warps in (4, 8):
-                        for stages in (2, 3, 4):
-                            c = GemmConfig(bn, bk, g.GROUP_M, warps, stages)
-                            smem = stages * (cur.BLOCK_M * bk * abytes + n_b * bk * bn * wbytes)
-                            if 32 <= bn <= 256 and 16 <= bk <= 256 and smem <= 220_000 and c not in out:
-                                out.append(c)
-            return out
-
-        def valid(cfgs):
-            ok = []
-            for c in cfgs:
-                try:
-                    check_config(c, scheme)
-                    ok.append(c)
-                except ValueError:
-                    pass
-            return ok
-        b1 = self.pick(run, valid([MoEConfig(cur.BLOCK_M, g, cur.gemm2) for g in around(cur.gemm1, 2)]))
-        b2 = self.pick(run, valid([MoEConfig(cur.BLOCK_M, b1[1].gemm1, g) for g in around(cur.gemm2, 1)]))
-        self.log(f"refine {M}: {cur} -> {b2[1]} ({b2[0]:.1f} us)")
-        return b2
 
     def write_config(self, model: Model, scheme: Scheme, table: dict):
         """After every M, so a run cut short keeps what it tuned; also into the package when --install-configs."""
@@ -582,7 +568,6 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--fast", action="store_true", help="eager timings only for M >= 1024")
     p.add_argument("--install-configs", action="store_true", help="tune: also write into kernels/configs/")
-    p.add_argument("--refine", action="store_true", help="tune: local search around the configs in use")
     p.add_argument("--schemes", nargs="+", choices=list(TIMED_SCHEMES), help="tune/bench only these schemes")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")
     args = p.parse_args(argv)

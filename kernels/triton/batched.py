@@ -34,7 +34,8 @@ from ..quantize import cast_saturated
 from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
 from .config import MoEConfig, batched_config, check_batched_config
-from .fused_moe import SCALE_BLOCK, _epilogue_scale, _gated_activation, _k_step, _tile_coords
+from .fused_moe import (SCALE_BLOCK, _acc_rows_first, _acc_zeros, _epilogue_scale, _gated_activation, _k_step,
+                        _tile_coords)
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
 from .quant import _finite_abs
 
@@ -50,25 +51,28 @@ def _expert_tile(counts_ptr, max_tokens, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_scale_ptr, n1, n2, col_ok, K,
               stride_wn, stride_wsn, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
-              TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SWAP_AB: tl.constexpr):
     """x[rows] . w[n1] (and . w[n2] when TWO: gate and up share each A load), scaled, fp32 [BLOCK_M, BLOCK_N].
 
     a_ptr / a_scale_ptr / w_ptr / w_scale_ptr already point at this expert.
     """
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
+    acc2 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n1, col_ok, stride_wn,
-                       stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SWAP_AB)
         if TWO:
             acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n2, col_ok, stride_wn,
-                           stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc1 = _epilogue_scale(acc1, a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok, stride_wsn, A_SCALE, W_SCALE)
+                           stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                           SWAP_AB)
+    acc1 = _epilogue_scale(_acc_rows_first(acc1, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if TWO:
-        acc2 = _epilogue_scale(acc2, a_scale_ptr, rows, row_ok, w_scale_ptr, n2, col_ok, stride_wsn, A_SCALE,
+        acc2 = _epilogue_scale(_acc_rows_first(acc2, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n2, col_ok, stride_wsn, A_SCALE,
                                W_SCALE)
     return acc1, acc2
 
@@ -93,7 +97,7 @@ def batched_gemm1_kernel(
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACTIVATION: tl.constexpr, AMAX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        swiglu_limit, swiglu_alpha):
+        SWAP_AB: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[e, r, n] = act(x[e, r] . w[e, gate(n)] + b, x[e, r] . w[e, up(n)] + b) for r < count[e], n < N = I."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -106,7 +110,8 @@ def batched_gemm1_kernel(
     up_rows = gate_rows + up_row_offset
     gate, up = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                          w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, gate_rows, up_rows, col_ok, K,
-                         stride_wn, stride_wsn, A_SCALE, W_SCALE, UPCAST_W, True, BLOCK_M, BLOCK_N, BLOCK_K)
+                         stride_wn, stride_wsn, A_SCALE, W_SCALE, UPCAST_W, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                         SWAP_AB)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -149,7 +154,8 @@ def batched_gemm2_kernel(
         stride_ae, stride_am, stride_ase, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
         stride_oe, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        SWAP_AB: tl.constexpr):
     """out[e, r, n] = inter[e, r] . w[e, n] + bias[e, n] for r < count[e], n < N = H (no router weight)."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -160,7 +166,7 @@ def batched_gemm2_kernel(
     col_ok = cols < N
     out, _ = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                        w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, cols, cols, col_ok, K, stride_wn,
-                       stride_wsn, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_wsn, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),

@@ -3,7 +3,8 @@
 Files live in `kernels/configs/` and are named
     E={E},N={I},device_name={torch device name, spaces -> _},dtype={dtype key}.json
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
-    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}, "gemm2": {...}}
+    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB"]},
+     "gemm2": {...}}
 and the entry with the nearest M is used. BLOCK_M is shared because it sets the alignment
 padding both GEMMs read; everything else is tuned per GEMM (their K and N differ).
 """
@@ -31,6 +32,7 @@ class GemmConfig:
     GROUP_M: int
     num_warps: int
     num_stages: int
+    SWAP_AB: bool = False  # weights on the MMA's M side, tokens on its N side (fused_moe._dot)
 
 
 @dataclass(frozen=True)

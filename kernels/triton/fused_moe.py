@@ -107,13 +107,49 @@ def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col
 
 
 @triton.jit
-def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr):
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A GEMM accumulator: [BLOCK_M, BLOCK_N], or its transpose when the weights are the MMA's M side."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=dtype)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
+    return acc
+
+
+@triton.jit
+def _acc_rows_first(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N] for the epilogues (one transpose per tile, after the K loop)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _dot(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc += a . w, with w [BLOCK_K, BLOCK_N]; or, swapped, acc^T += w . a^T with w [BLOCK_N, BLOCK_K].
+
+    Swapped, the weight tile is the MMA's M side (Hopper's wgmma needs 64 rows there) and a few tokens
+    its N side (8 suffice): at decode a 16-row token block otherwise fills an Ampere-style mma.sync.
+    """
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(a), acc, out_dtype=acc.dtype)
+    else:
+        acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
+    return acc
+
+
+@triton.jit
+def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_AB: tl.constexpr):
     if UPCAST_W:
         b = b.to(a.dtype)
     if W_SCALE >= 3:
-        acc += tl.dot(a, b).to(tl.float32) * sa[:, None] * sw[None, :]
+        step = _dot(a, b, tl.zeros(acc.shape, tl.float32), SWAP_AB)
+        if SWAP_AB:
+            acc += step * sw[:, None] * sa[None, :]
+        else:
+            acc += step * sa[:, None] * sw[None, :]
     else:
-        acc = tl.dot(a, b, acc, out_dtype=acc.dtype)  # int32 for int8 operands
+        acc = _dot(a, b, acc, SWAP_AB)  # int32 accumulator for int8 operands
     return acc
 
 
@@ -163,43 +199,58 @@ def _e2m1_unpack(packed, s, dtype: tl.constexpr):
 
 @triton.jit
 def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
-    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along its bytes.
+    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] (swapped: [BLOCK_N, groups, 16 bytes], the
+    checkpoint's own order) so each group's scale broadcasts along its bytes.
     """
     HALF: tl.constexpr = MX_GROUP // 2
     rows = w_rows.to(tl.int64)
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
-    mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
-    byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
-    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
-    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
+    g_ok = g < K // MX_GROUP
+    half = tl.arange(0, HALF)
+    if SWAP_AB:
+        mask = col_ok[:, None] & g_ok[None, :]                                 # [BLOCK_N, groups]
+        byte = g[None, :, None] * HALF + half[None, None, :]
+        packed = tl.load(w_e + rows[:, None, None] * stride_wn + byte, mask=mask[:, :, None], other=0)
+        s = tl.load(w_scale_e + rows[:, None] * stride_wsn + g[None, :], mask=mask, other=0)[:, :, None]
+        w_shape: tl.constexpr = (BLOCK_N, BLOCK_K // 2)
+    else:
+        mask = g_ok[:, None] & col_ok[None, :]                                 # [groups, BLOCK_N]
+        byte = g[:, None, None] * HALF + half[None, :, None]
+        packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
+        s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
+        w_shape: tl.constexpr = (BLOCK_K // 2, BLOCK_N)
     if a.dtype == tl.bfloat16:
         w_even, w_odd = _e2m1_unpack_bf16(packed, s)
     else:
         w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-    acc = tl.dot(a_even, tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N)), acc)
-    return tl.dot(a_odd, tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N)), acc)
+    acc = _dot(a_even, tl.reshape(w_even, w_shape), acc, SWAP_AB)
+    return _dot(a_odd, tl.reshape(w_odd, w_shape), acc, SWAP_AB)
 
 
 @triton.jit
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn,
             k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
-            W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       BLOCK_K, SWAP_AB)
     else:
-        b = tl.load(w_e + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_off = w_rows.to(tl.int64) * stride_wn
+        if SWAP_AB:
+            b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         sa, sw = 1.0, 1.0  # unused unless block/group-scaled
         if W_SCALE >= 3:
             sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn,
                                   k0, A_SCALE, W_SCALE)
-        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W)
+        acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W, SWAP_AB)
     return acc
 
 
@@ -313,7 +364,7 @@ def gemm1_gated_kernel(
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
@@ -332,18 +383,23 @@ def gemm1_gated_kernel(
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc_dtype = tl.int32 if ACC_INT else tl.float32
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_g = _acc_zeros(BLOCK_M, BLOCK_N, acc_dtype, SWAP_AB)
     if GATED:
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+        acc_u = _acc_zeros(BLOCK_M, BLOCK_N, acc_dtype, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc_g = _k_step(acc_g, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, gate_rows, col_ok, stride_wn,
-                        stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
+                        stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K,
+                        SWAP_AB)
         if GATED:
             acc_u = _k_step(acc_u, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, up_rows, col_ok, stride_wn,
-                            stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
+                            stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K,
+                            SWAP_AB)
+    acc_g = _acc_rows_first(acc_g, SWAP_AB)
+    if GATED:
+        acc_u = _acc_rows_first(acc_u, SWAP_AB)
     b_e = bias_ptr + e * stride_be
     lb_e = lora_b_ptr + e * stride_lbe
     gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,
@@ -369,7 +425,7 @@ def gemm2_weighted_kernel(
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -381,14 +437,14 @@ def gemm2_weighted_kernel(
     col_ok = cols < N
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if ACC_INT else tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
-                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K)
-    out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
+                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+    out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:

@@ -54,7 +54,7 @@ def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:
-    return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, num_warps=g.num_warps,
+    return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
                 num_stages=g.num_stages)
 
 

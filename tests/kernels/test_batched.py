@@ -122,6 +122,23 @@ def test_batched_triton_every_cell(cell, poison):
     assert rel_err(out, standard_reference64(layer, x, ids, w)) < tol(cell, TRITON_DTYPE)
 
 
+@pytest.mark.parametrize("cell", ["unquantized", "fp8_w8a8/tensor/tensor", "fp8_w8a8/block128/group128",
+                                  "fp8_w8a16/channel"])
+def test_batched_triton_swapped_tiles(cell, poison, monkeypatch):
+    """SWAP_AB tiles compute the same batched layer (the group amax of GEMM1 is folded after the transpose)."""
+    from moerules.kernels.triton import batched
+
+    def swapped(**kwargs):
+        cfg = batched_config(**kwargs)
+        return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, SWAP_AB=True),
+                                   gemm2=dataclasses.replace(cfg.gemm2, SWAP_AB=True))
+
+    monkeypatch.setattr(batched, "batched_config", swapped)
+    layer = batched_layer(cell=cell, activation=Activation.swigluoai, bias=True)
+    x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), standard_reference64(layer, x, ids, w)) < tol(cell, TRITON_DTYPE)
+
+
 @pytest.mark.parametrize("activation", [Activation.silu, Activation.gelu, Activation.gelu_tanh,
                                         Activation.swigluoai_uninterleave])
 def test_batched_triton_activations(activation, poison):

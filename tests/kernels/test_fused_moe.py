@@ -13,6 +13,8 @@ Shapes are small and not multiples of any block (H=160, I=96) to keep CI at a fe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, random_inputs, reference64, rel_err
@@ -125,3 +127,23 @@ def test_a_models_swiglu_limit_and_alpha_reach_the_kernel(kernel_id, poison_empt
     assert rel_err(out, reference64(layer, x, ids, w)) < 2e-2
     layer.experts.swiglu = SwigluParams()  # gpt-oss's 7.0 / 1.702: what the kernels hard-coded before
     assert rel_err(out, reference64(layer, x, ids, w)) > 0.2
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_triton_swapped_tiles_every_cell(cell, poison_empty, monkeypatch):
+    """SWAP_AB (weights on the MMA's M side) computes the same layer as the standard tiles, in every scheme:
+    its transposed loads, scale broadcasts and the accumulator's transpose before the epilogue."""
+    from moerules.kernels.triton import launch
+
+    real_get_config = launch.get_config
+
+    def swapped(**kwargs):
+        cfg = real_get_config(**kwargs)
+        return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, SWAP_AB=True),
+                                   gemm2=dataclasses.replace(cfg.gemm2, SWAP_AB=True))
+
+    monkeypatch.setattr(launch, "get_config", swapped)
+    layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
+                       device=DEVICE)
+    x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < triton_tol(cell)

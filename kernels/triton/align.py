@@ -12,6 +12,10 @@ contribution is unspecified but no memory outside the buffers is touched. The ho
 check in `routing.validate_topk` reports them wherever a sync is allowed.
 
 Tiny batches (4*T <= E, as in vLLM's naive assignment) skip sorting: each slot gets a block.
+Small ones (T <= _ONE_PROGRAM_SLOTS) are aligned by one program in one launch; larger ones take a zeroing
+memset and four grid-wide launches (count, run offsets, block experts, scatter). At decode sizes every
+launch costs about as much as its work, and the four saved launches are ~4-8% of a Qwen3-30B-A3B FP8 forward
+at M = 16-64.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import triton.language as tl
 # Blocks whose expert ids one program writes; each compares them against all E run ends.
 _BLOCKS_PER_PROGRAM = 64
 _SLOTS_PER_PROGRAM = 1024
+# Slots and experts one program aligns alone (its [slots] ids and [experts] histogram stay in registers).
+_ONE_PROGRAM_SLOTS = 1024
+_ONE_PROGRAM_EXPERTS = 1024
 
 
 @dataclass
@@ -66,16 +73,40 @@ def _run_offsets_kernel(counts_ptr, cursor_ptr, block_ends_ptr, num_post_ptr, nu
 
 
 @triton.jit
-def _block_experts_kernel(block_ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks, num_experts, sentinel,
-                          BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Expert of each block = number of runs ending at or before it; also sentinel-fills its rows."""
-    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    e = tl.arange(0, BLOCK_E)
-    ends = tl.load(block_ends_ptr + e, mask=e < num_experts, other=2147483647)
-    expert = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+def _block_experts(block_ends, b, expert_ids_ptr, sorted_ids_ptr, num_blocks, sentinel, BLOCK_M: tl.constexpr):
+    """Expert of each block b = number of runs ending at or before it; also sentinel-fills its rows."""
+    expert = tl.sum((block_ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
     tl.store(expert_ids_ptr + b, expert, mask=b < num_blocks)
     rows = b[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     tl.store(sorted_ids_ptr + rows, tl.full(rows.shape, sentinel, tl.int32), mask=(b < num_blocks)[:, None])
+
+
+@triton.jit
+def _one_program_align_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_slots,
+                              num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr):
+    """The whole alignment of up to BLOCK_T slots: histogram, run offsets, block experts, then the scatter."""
+    slot, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK_T)
+    padded = tl.cdiv(tl.histogram(e, BLOCK_E, mask=valid), BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + tl.arange(0, BLOCK_E), ends - padded)
+    tl.store(num_post_ptr, tl.sum(padded, 0))
+    block_ends = tl.where(tl.arange(0, BLOCK_E) < num_experts, ends // BLOCK_M, 2147483647)
+    for b0 in range(0, num_blocks, BLOCKS):
+        _block_experts(block_ends, b0 + tl.arange(0, BLOCKS), expert_ids_ptr, sorted_ids_ptr, num_blocks,
+                       num_slots, BLOCK_M)
+    tl.debug_barrier()  # the cursors and the sentinel fill reach every thread of the program before the scatter
+    pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
+    tl.store(sorted_ids_ptr + pos, slot, mask=valid)
+
+
+@triton.jit
+def _block_experts_kernel(block_ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks, num_experts, sentinel,
+                          BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(block_ends_ptr + e, mask=e < num_experts, other=2147483647)
+    _block_experts(ends, tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS), expert_ids_ptr, sorted_ids_ptr,
+                   num_blocks, sentinel, BLOCK_M)
 
 
 @triton.jit
@@ -120,6 +151,12 @@ def moe_align(topk_ids: torch.Tensor, *, num_experts: int, block_m: int) -> Alig
         num_post.zero_()
     elif use_naive_assignment(T, num_experts):
         _naive_assign_kernel[(T,)](ids, sorted_ids, expert_ids, num_post, T, num_experts, BLOCK_M=block_m)
+    elif T <= _ONE_PROGRAM_SLOTS and num_experts <= _ONE_PROGRAM_EXPERTS:
+        block_e = triton.next_power_of_2(num_experts)
+        cursor = torch.empty(block_e, dtype=torch.int32, device=dev)
+        _one_program_align_kernel[(1,)](ids, cursor, sorted_ids, expert_ids, num_post, T, num_experts, nb,
+                                        BLOCK_M=block_m, BLOCK_T=max(16, triton.next_power_of_2(T)),
+                                        BLOCK_E=block_e, BLOCKS=_BLOCKS_PER_PROGRAM)
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         cursor = torch.empty_like(counts)

@@ -53,7 +53,9 @@ def test_validate_topk_rejects_out_of_range_and_swaps():
         validate_topk(topk_ids=ids, topk_weights=w, num_tokens=3, num_experts=16)
 
 
-@pytest.mark.parametrize("T,E,block_m", [(37, 8, 16), (5, 64, 16), (200, 16, 32), (1, 8, 64)])
+# Paths: one program (37, 200, 1024 slots), naive (5 of 64, 1 of 8), grid-wide (1025 and 3000 slots).
+@pytest.mark.parametrize("T,E,block_m", [(37, 8, 16), (5, 64, 16), (200, 16, 32), (1, 8, 64), (1024, 256, 64),
+                                         (1025, 16, 32), (3000, 256, 16)])
 def test_moe_align_invariants(T, E, block_m):
     from moerules.kernels.triton.align import moe_align, use_naive_assignment
     ids = torch.randint(0, E, (T,), generator=torch.Generator().manual_seed(T), dtype=torch.int32)
@@ -71,13 +73,15 @@ def test_moe_align_invariants(T, E, block_m):
         assert torch.all(a.expert_ids[:used // block_m].diff() >= 0)
 
 
-def test_moe_align_drops_out_of_range_ids():
+@pytest.mark.parametrize("repeats", [1, 110])  # 10 slots: one program; 1100: the grid-wide launches
+def test_moe_align_drops_out_of_range_ids(repeats):
     """No index outside the buffers even for bad ids (the case where host validation is skipped)."""
     from moerules.kernels.triton.align import moe_align
-    ids = torch.tensor([0, 9, 1, -3, 1, 2, 100, 3, 0, 1], dtype=torch.int32)
+    ids = torch.tensor([0, 9, 1, -3, 1, 2, 100, 3, 0, 1], dtype=torch.int32).repeat(repeats)
     a = moe_align(ids.to(DEVICE), num_experts=4, block_m=16)
     rows = a.sorted_ids[:int(a.num_post_padded)].cpu()
-    assert sorted(rows[rows < ids.numel()].tolist()) == [0, 2, 4, 5, 7, 8, 9]
+    kept = [s for s in range(ids.numel()) if s % 10 in (0, 2, 4, 5, 7, 8, 9)]
+    assert sorted(rows[rows < ids.numel()].tolist()) == kept
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])

@@ -12,7 +12,7 @@ its config selection `try_get_optimal_moe_config` -> `get_moe_configs` (the tune
 one-slot-per-block path when 4*M*k <= E). The functions are taken from the file's AST and executed,
 at their own file:line, in a namespace holding triton, tl, torch and the small stand-ins of
 `_VllmStandIns` for the names they import from the rest of vLLM (its compiled ops never load here).
-One config serves both GEMMs, as in vLLM (fused_moe.py:1723 and experts/triton_moe.py:322).
+One config serves both GEMMs, as in vLLM (fused_moe.py:1745 and experts/triton_moe.py:322).
 
 Compared, per model x scheme x M: the two GEMMs and nothing else.
   vLLM:  GEMM1 x_q . w13^T -> [M*k, 2I] (+bias), then GEMM2 inter_q . w2^T (+bias) x router weight
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe import MODELS, TIMED_SCHEMES, Bench, time_us, tolerance
+from moe import MODELS, TIMED_SCHEMES, Bench, tolerance
 from moerules.kernels.activations import apply_activation
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.triton import launch
@@ -223,7 +223,9 @@ class SideBySide:
         file_name = "cpu" if self.smoke else re.sub(r"[\s/]+", "_", torch.cuda.get_device_name())
         self.stand_ins = _VllmStandIns(capability, file_name)
         self.vllm = load_vllm(find_fused_moe(args.vllm_dir), self.stand_ins)
-        self.compute_type = tl.float16 if self.smoke else tl.bfloat16  # the layer's in_dtype (fused_moe.py:1747)
+        # vLLM's compute_type is the unquantised activation dtype: bf16 here (fused_moe.py:1767-1772; for fp8
+        # inputs experts/triton_moe.py:336-342 also takes bf16), fp16 in the interpreter.
+        self.compute_type = tl.float16 if self.smoke else tl.bfloat16
         self.rows: list[dict] = []
         self.bench.log(f"vLLM fused_moe.py: {self.vllm.path} (sha256 {self.vllm.sha256[:16]})")
 
@@ -274,7 +276,7 @@ class SideBySide:
         return row, vllm_fn, ours_fn
 
     def vllm_gemms(self, layer, sname: str, x_q, a_scale, ids, tw):
-        """vLLM's GEMM1 and GEMM2 launches as fused_experts_impl makes them (fused_moe.py:1723-1866): one config,
+        """vLLM's GEMM1 and GEMM2 launches as fused_experts_impl makes them (fused_moe.py:1745-1861): one config,
         one expert assignment, GEMM2 with MUL_ROUTED_WEIGHT and top_k 1. Returns (the two launches, the torch
         pipeline's [M, H] output, the config described)."""
         v, w, (M, k) = self.vllm, layer.weights, ids.shape
@@ -353,8 +355,8 @@ class SideBySide:
         return {s: math.exp(sum(map(math.log, v)) / len(v)) for s, v in ratios.items() if v}
 
     def table(self) -> str:
-        lines = ["| model | scheme | M | vLLM µs | ours µs | vLLM / ours | rel. error (tol) | vLLM config (source) "
-                 "| our config |", "|" + "---|" * 9]
+        lines = ["| model | scheme | M | vLLM µs | ours µs | vLLM / ours | rel. error (tol) "
+                 "| vLLM config (source) | our config |", "|" + "---|" * 9]
         for r in self.rows:
             if "error" in r:
                 lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | – | – | {r['error']} | – | – | – |")
@@ -394,7 +396,8 @@ def _our_tiles(c: dict) -> str:
 def _row_line(r: dict) -> str:
     if "error" in r:
         return f"ERR  {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} {r['error']}"
-    head = f"{'ok  ' if r['ok'] else 'FAIL'} {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} rel_err={r['rel_err']:.2e}"
+    head = (f"{'ok  ' if r['ok'] else 'FAIL'} {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} "
+            f"rel_err={r['rel_err']:.2e}")
     if not r["ok"]:
         return head + f" > tol {r['tol']:.0e}: vLLM's GEMMs and ours disagree; not timed"
     return head + f" vLLM {r['vllm_us']:.1f} us, ours {r['ours_us']:.1f} us, vLLM/ours {r['ratio']:.3f}"

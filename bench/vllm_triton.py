@@ -22,17 +22,19 @@ Compared, per model x scheme x M: the two GEMMs and nothing else.
 Not timed on either side: routing, sorting (`moe_align`), the input and intermediate quantisation, the
 top-k sum, and vLLM's separate activation kernel (silu_and_mul & co., compiled CUDA ops that cannot run
 here). Our GEMM1 includes the activation that vLLM pays a separate kernel for, so the ratio is
-conservative for us. Both sides read the same quantised x and weights; each GEMM2 reads its own
-intermediate, quantised once before timing by our quantiser (vLLM's: torch activation of its GEMM1 output).
+conservative for us. Both sides read the same quantised x, weights and GEMM2 input (below).
 Sorting: vLLM's `moe_align_block_size` is a CUDA op; ours (align.py) has its layout (padding sentinel
 M*k, one expert id per BLOCK_M block, no -1 without expert parallelism) and is re-laid into vLLM's
 buffer sizes (moe_align_block_size.py:137-152), so its grid is the one vLLM launches. Where the two
 BLOCK_M agree, both sides use the very same sorted ids.
 
-Correctness, every point, before timing: vLLM's GEMM1 -> torch activation (`apply_activation`) ->
-our quantiser -> vLLM's GEMM2 -> torch sum over k, against our full `launch.fused_moe`; relative
-Frobenius error, tolerance `moe.tolerance` (1e-2 bf16, 3e-2 fp8). A failing point is printed FAIL, left
-out of the geomeans and makes the run exit 1; it is still timed (the numbers say whether it was near).
+Both GEMM2s read the same quantised intermediate: ours (our GEMM1's output through our quantiser).
+Correctness, every point, before timing, as relative Frobenius errors within `moe.tolerance` (1e-2 bf16,
+3e-2 fp8): vLLM's GEMM1 output through the torch activation (`apply_activation`) against our GEMM1's
+output (before any quantisation), and vLLM's GEMM2 + a torch sum over k against our full
+`launch.fused_moe`. (Re-quantising vLLM's own intermediate instead would flip FP8 roundings: two correct
+FP8 pipelines differ by ~2e-2 that way, too close to the tolerance to tell a wrong launch from rounding.)
+A failing point is printed FAIL, left out of the geomeans and makes the run exit 1; it is still timed.
 Timing: `moe.time_us` (do_bench median, L2 flushed before each call, CUDA-graph replay); --smoke
 prints one CPU wall time instead (interpreter, not a measurement). Ratio = vLLM µs / our µs (> 1: we
 are faster). Geomeans of the ratios per scheme and overall.
@@ -45,14 +47,16 @@ import ast
 import builtins
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import re
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import triton
@@ -83,7 +87,6 @@ class VllmNotFound(RuntimeError):
 def find_fused_moe(vllm_dir: Optional[str]) -> Path:
     """Folder holding vLLM's fused_moe.py and configs/: --vllm-dir, else the installed vllm package (found,
     not imported), else carry/vllm033."""
-    import importlib.util
     candidates = []
     if vllm_dir:
         candidates.append(Path(vllm_dir))
@@ -161,9 +164,9 @@ class _VllmStandIns:
         sorted_ids = torch.full((size,), n, dtype=torch.int32, device=topk_ids.device)
         expert_ids = torch.zeros(triton.cdiv(size, block_size), dtype=torch.int32, device=topk_ids.device)
         # Rows past num_tokens_post_padded (<= size) are never read; our buffer may be a block longer.
-        rows = min(size, ours.sorted_ids.numel())
+        rows, blocks = min(size, ours.sorted_ids.numel()), min(expert_ids.numel(), ours.num_blocks)
         sorted_ids[:rows] = ours.sorted_ids[:rows]
-        expert_ids[:min(expert_ids.numel(), ours.num_blocks)] = ours.expert_ids[:expert_ids.numel()]
+        expert_ids[:blocks] = ours.expert_ids[:blocks]
         return sorted_ids, expert_ids, ours.num_post_padded
 
     @staticmethod
@@ -213,6 +216,22 @@ def load_vllm(folder: Path, stand_ins: _VllmStandIns) -> types.SimpleNamespace:
                                  sha256=hashlib.sha256(source.encode()).hexdigest())
 
 
+@dataclass
+class Side:
+    """One side at one point: its two GEMM launches, its [M, H] output and activated GEMM1 output to check, the
+    config it launched; ours also hands its quantised intermediate to vLLM's GEMM2."""
+    launches: Callable[[], Any]
+    out: torch.Tensor
+    gemm1_out: torch.Tensor
+    config: dict
+    gemm2_input: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((a.float() - ref).norm() / ref.norm()).item()
+
+
 class SideBySide:
     def __init__(self, args):
         self.bench = Bench(argparse.Namespace(smoke=args.smoke, models=args.models, out=args.out, ms=args.ms,
@@ -256,7 +275,7 @@ class SideBySide:
         return row
 
     def compare(self, name: str, sname: str, M: int):
-        """(row with the relative error of vLLM's pipeline vs our fused_moe, vLLM's GEMMs, ours) at one point."""
+        """(row with both checks, vLLM's two GEMM launches, ours) at one point."""
         b = self.bench
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
         w = layer.weights
@@ -265,19 +284,18 @@ class SideBySide:
                                               a13_scale=w.a13_scale)
         x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
         self.stand_ins.alignments = Alignments(ids, w.num_experts)
-        vllm_fn, vllm_out, vllm_cfg = self.vllm_gemms(layer, sname, x_q, a_scale, ids, tw)
-        ours_fn, ours_out, ours_cfg = self.our_gemms(layer, x_q, a_scale, ids, tw)
-        ref = ours_out.float()
-        rel_err = ((vllm_out.float() - ref).norm() / ref.norm()).item()
+        ours = self.our_gemms(layer, x_q, a_scale, ids, tw)
+        vllm = self.vllm_gemms(layer, sname, x_q, a_scale, ids, tw, gemm2_input=ours.gemm2_input)
         tol = tolerance(w.scheme.cell)
-        row = {"model": name, "scheme": sname, "M": M, "rel_err": rel_err, "tol": tol, "ok": rel_err <= tol,
-               "vllm_config": vllm_cfg, "ours_config": ours_cfg}
-        return row, vllm_fn, ours_fn
+        row = {"model": name, "scheme": sname, "M": M, "gemm1_rel_err": _rel_err(vllm.gemm1_out, ours.gemm1_out),
+               "rel_err": _rel_err(vllm.out, ours.out), "tol": tol, "vllm_config": vllm.config,
+               "ours_config": ours.config}
+        row["ok"] = row["gemm1_rel_err"] <= tol and row["rel_err"] <= tol  # False on NaN
+        return row, vllm.launches, ours.launches
 
-    def vllm_gemms(self, layer, sname: str, x_q, a_scale, ids, tw):
+    def vllm_gemms(self, layer, sname: str, x_q, a_scale, ids, tw, *, gemm2_input) -> Side:
         """vLLM's GEMM1 and GEMM2 launches as fused_experts_impl makes them (fused_moe.py:1745-1861): one config,
-        one expert assignment, GEMM2 with MUL_ROUTED_WEIGHT and top_k 1. Returns (the two launches, the torch
-        pipeline's [M, H] output, the config described)."""
+        one expert assignment, GEMM2 with MUL_ROUTED_WEIGHT and top_k 1, reading `gemm2_input` (ours)."""
         v, w, (M, k) = self.vllm, layer.weights, ids.shape
         dtype, block_shape = VLLM_QUANT[sname]
         config = v.try_get_optimal_moe_config(w.w13.size(), w.w2.size(), k, dtype, M, block_shape=block_shape)
@@ -289,20 +307,20 @@ class SideBySide:
         out_dtype = TORCH_DTYPE[w.in_dtype]
         out1 = torch.empty(M, k, w.w13.shape[1], dtype=out_dtype, device=x_q.device)
         out2 = torch.empty(M, k, w.hidden, dtype=out_dtype, device=x_q.device)
+        inter_q, inter_scale = gemm2_input
 
         def gemm1():
             v.invoke_fused_moe_triton_kernel(x_q, w.w13, out1, a_scale, w.w13_scale, None, sorted_ids, expert_ids,
                                              num_post, False, k, config, B_bias=w.w13_bias, **flags)
-        gemm1()
-        inter = apply_activation(out1.view(M * k, -1), layer.experts.activation, layer.experts.swiglu)
-        inter_q, inter_scale = layer.experts.quantize_gemm_input(inter, static_scale=w.a2_scale)
 
         def gemm2():
             v.invoke_fused_moe_triton_kernel(inter_q, w.w2, out2, inter_scale, w.w2_scale, tw, sorted_ids, expert_ids,
                                              num_post, True, 1, config, B_bias=w.w2_bias, **flags)
+        gemm1()
         gemm2()
-        return (lambda: (gemm1(), gemm2())), out2.sum(dim=1), self.describe_vllm(config, w, dtype, block_shape,
-                                                                                 naive=sorted_ids is None)
+        return Side(launches=lambda: (gemm1(), gemm2()), out=out2.sum(dim=1),
+                    gemm1_out=apply_activation(out1.view(M * k, -1), layer.experts.activation, layer.experts.swiglu),
+                    config=self.describe_vllm(config, w, dtype, block_shape, naive=sorted_ids is None))
 
     def describe_vllm(self, config: dict, w, dtype: Optional[str], block_shape: Optional[list[int]], *,
                       naive: bool) -> dict:
@@ -317,9 +335,8 @@ class SideBySide:
         return {"launched": launched,
                 "source": v.get_config_file_name(E, N, dtype, block_shape) if found else "get_default_config"}
 
-    def our_gemms(self, layer, x_q, a_scale, ids, tw):
-        """Our GEMM1 and GEMM2 launches as launch.fused_moe makes them; (the two launches, fused_moe's output,
-        the config)."""
+    def our_gemms(self, layer, x_q, a_scale, ids, tw) -> Side:
+        """Our GEMM1 and GEMM2 launches as launch.fused_moe makes them, with fused_moe's own output to check."""
         w, (M, k) = layer.weights, ids.shape
         act, swiglu = layer.experts.activation, layer.experts.swiglu
         cfg = launch.config_for(w, num_tokens=M, top_k=k, device=x_q.device)
@@ -343,7 +360,8 @@ class SideBySide:
             launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
         full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
                                 quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
-        return (lambda: (gemm1(), gemm2())), full, cfg.to_dict()
+        return Side(launches=lambda: (gemm1(), gemm2()), out=full, gemm1_out=inter, config=cfg.to_dict(),
+                    gemm2_input=(inter_q, inter_scale))
 
     def geomeans(self) -> dict:
         ratios: dict[str, list[float]] = {s: [] for s in SCHEMES}
@@ -354,7 +372,7 @@ class SideBySide:
         return {s: math.exp(sum(map(math.log, v)) / len(v)) for s, v in ratios.items() if v}
 
     def table(self) -> str:
-        lines = ["| model | scheme | M | vLLM µs | ours µs | vLLM / ours | rel. error (tol) "
+        lines = ["| model | scheme | M | vLLM µs | ours µs | vLLM / ours | rel. error GEMM1 / out (tol) "
                  "| vLLM config (source) | our config |", "|" + "---|" * 9]
         for r in self.rows:
             if "error" in r:
@@ -362,10 +380,12 @@ class SideBySide:
                 continue
             t = f"{r['vllm_us']:.1f} | {r['ours_us']:.1f} | {r['ratio']:.2f}{'' if r['ok'] else ' FAIL'}"
             v = r["vllm_config"]
-            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | {t} | {r['rel_err']:.1e} ({r['tol']:.0e}) | "
+            lines.append(f"| {r['model']} | {r['scheme']} | {r['M']} | {t} | {r['gemm1_rel_err']:.1e} / "
+                         f"{r['rel_err']:.1e} ({r['tol']:.0e}) | "
                          f"{_vllm_tiles(v['launched'])} ({v['source']}) | {_our_tiles(r['ours_config'])} |")
         if self.smoke:
-            lines.append("\n--smoke: µs are one CPU wall time under the Triton interpreter, not a measurement.")
+            lines.append("\n--smoke: fp16 (the bf16 rows too); µs are one CPU wall time under the Triton interpreter, not a "
+                         "measurement.")
         lines += ["", "| geomean of vLLM / ours | value |", "|---|---|"]
         lines += [f"| {s} | {g:.3f} |" for s, g in self.geomeans().items()]
         return "\n".join(lines) + "\n"
@@ -396,7 +416,7 @@ def _row_line(r: dict) -> str:
     if "error" in r:
         return f"ERR  {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} {r['error']}"
     head = (f"{'ok  ' if r['ok'] else 'FAIL'} {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} "
-            f"rel_err={r['rel_err']:.2e}")
+            f"rel_err GEMM1 {r['gemm1_rel_err']:.1e} out {r['rel_err']:.1e}")
     times = f" vLLM {r['vllm_us']:.1f} us, ours {r['ours_us']:.1f} us, vLLM/ours {r['ratio']:.3f}"
     if not r["ok"]:
         return head + f" > tol {r['tol']:.0e}: vLLM's GEMMs and ours disagree;{times} (not in the geomeans)"

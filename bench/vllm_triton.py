@@ -384,8 +384,8 @@ class SideBySide:
                          f"{r['rel_err']:.1e} ({r['tol']:.0e}) | "
                          f"{_vllm_tiles(v['launched'])} ({v['source']}) | {_our_tiles(r['ours_config'])} |")
         if self.smoke:
-            lines.append("\n--smoke: fp16 (the bf16 rows too); µs are one CPU wall time under the Triton interpreter, not a "
-                         "measurement.")
+            lines.append("\n--smoke: fp16 (the bf16 rows too); µs are one CPU wall time under the Triton "
+                         "interpreter, not a measurement.")
         lines += ["", "| geomean of vLLM / ours | value |", "|---|---|"]
         lines += [f"| {s} | {g:.3f} |" for s, g in self.geomeans().items()]
         return "\n".join(lines) + "\n"

@@ -287,10 +287,10 @@ class SideBySide:
         ours = self.our_gemms(layer, x_q, a_scale, ids, tw)
         vllm = self.vllm_gemms(layer, sname, x_q, a_scale, ids, tw, gemm2_input=ours.gemm2_input)
         tol = tolerance(w.scheme.cell)
-        row = {"model": name, "scheme": sname, "M": M, "gemm1_rel_err": _rel_err(vllm.gemm1_out, ours.gemm1_out),
-               "rel_err": _rel_err(vllm.out, ours.out), "tol": tol, "vllm_config": vllm.config,
-               "ours_config": ours.config}
-        row["ok"] = row["gemm1_rel_err"] <= tol and row["rel_err"] <= tol  # False on NaN
+        gemm1_err, out_err = _rel_err(vllm.gemm1_out, ours.gemm1_out), _rel_err(vllm.out, ours.out)
+        row = {"model": name, "scheme": sname, "M": M, "gemm1_rel_err": gemm1_err, "rel_err": out_err, "tol": tol,
+               "ok": gemm1_err <= tol and out_err <= tol,  # False on NaN
+               "vllm_config": vllm.config, "ours_config": ours.config}
         return row, vllm.launches, ours.launches
 
     def vllm_gemms(self, layer, sname: str, x_q, a_scale, ids, tw, *, gemm2_input) -> Side:

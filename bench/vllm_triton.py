@@ -233,6 +233,8 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class SideBySide:
+    """The run: every model x scheme x M of bench/moe.py's grid (through its Bench: weights, layers, inputs, timing)."""
+
     def __init__(self, args):
         self.bench = Bench(argparse.Namespace(smoke=args.smoke, models=args.models, out=args.out, ms=args.ms,
                                               schemes=args.schemes))

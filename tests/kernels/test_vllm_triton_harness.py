@@ -33,19 +33,20 @@ def fused_moe_dir(vt):
 
 
 def _side_by_side(vt, tmp_path):
-    args = argparse.Namespace(smoke=True, models=["tiny"], out=str(tmp_path), ms=None, schemes=None, vllm_dir=None)
+    args = argparse.Namespace(smoke=True, models=None, out=str(tmp_path), ms=None, schemes=None, vllm_dir=None)
     return vt.SideBySide(args)
 
 
-# (scheme, M, vLLM's SWAP_AB, naive one-slot-per-block assignment): tiny has E=8, k=2, so M=1 is naive
+# (model, scheme, M, vLLM's SWAP_AB, naive one-slot-per-block assignment): tiny has E=8, k=2, so M=1 is naive
 # (4*M*k <= E); the stand-in capability is sm_90, where vLLM swaps A and B for FP8 at BLOCK_SIZE_M < 64.
-POINTS = [("bf16", 1, False, True), ("bf16", 40, False, False), ("fp8_tensor", 5, True, False),
-          ("fp8_block", 40, True, False)]
+# tiny-oss has biases (HAS_BIAS) and the interleaved swigluoai.
+POINTS = [("tiny", "bf16", 1, False, True), ("tiny", "bf16", 40, False, False), ("tiny", "fp8_tensor", 5, True, False),
+          ("tiny", "fp8_block", 40, True, False), ("tiny-oss", "bf16", 5, False, False)]
 
 
-@pytest.mark.parametrize("scheme,M,swap_ab,naive", POINTS)
-def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, scheme, M, swap_ab, naive):
-    row, vllm_fn, ours_fn = _side_by_side(vt, tmp_path).compare("tiny", scheme, M)
+@pytest.mark.parametrize("model,scheme,M,swap_ab,naive", POINTS)
+def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme, M, swap_ab, naive):
+    row, _, _ = _side_by_side(vt, tmp_path).compare(model, scheme, M)
     # Same inputs on both sides, so only accumulation order and output rounding differ: far inside the tolerance.
     assert max(row["gemm1_rel_err"], row["rel_err"]) <= 3e-3 and row["tol"] == (1e-2 if scheme == "bf16" else 3e-2)
     assert row["ok"]

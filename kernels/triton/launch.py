@@ -19,7 +19,7 @@ from ..activations import is_interleaved
 from ..lora import LoRAWeights
 from ..scheme import Scheme
 from ..weights import MoEWeights
-from .align import moe_align
+from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
@@ -70,6 +70,11 @@ def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots
     return out
 
 
+def _no_lora(dummy: torch.Tensor) -> dict:
+    return dict(lora_shrink_ptr=dummy, lora_b_ptr=dummy, lora_rank=0, stride_lsm=0, stride_lbe=0, stride_lbn=0,
+                HAS_LORA=False, LORA_R=16)
+
+
 def _lora_epilogue_kwargs(a: torch.Tensor, lora: Optional[LoRAWeights], *, gemm: int, slots_per_row: int,
                           num_slots: int, align, dummy: torch.Tensor) -> dict:
     """LoRA keyword arguments of GEMM `gemm` (1 or 2); with adapters, first runs the shrink on its input `a`.
@@ -78,8 +83,7 @@ def _lora_epilogue_kwargs(a: torch.Tensor, lora: Optional[LoRAWeights], *, gemm:
     so no zero-padded copy is made. By keyword: these follow the constexprs in the signatures.
     """
     if lora is None:
-        return dict(lora_shrink_ptr=dummy, lora_b_ptr=dummy, lora_rank=0, stride_lsm=0, stride_lbe=0, stride_lbn=0,
-                    HAS_LORA=False, LORA_R=16)
+        return _no_lora(dummy)
     rank_pad = max(16, triton.next_power_of_2(lora.rank))
     lora_a, lora_b = (lora.w13_lora_a, lora.w13_lora_b) if gemm == 1 else (lora.w2_lora_a, lora.w2_lora_b)
     lora_b = lora_b.contiguous()
@@ -109,49 +113,78 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     x_q, topk_weights = x_q.contiguous(), topk_weights.contiguous()
     if a_scale is not None:
         a_scale = a_scale.contiguous()
-    scheme = weights.scheme
     T, k = topk_ids.shape
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
-    cfg = config or get_config(num_tokens=T, num_experts=E, intermediate=I, top_k=k, scheme=scheme,
-                               in_dtype_name=weights.in_dtype.value, device_name=device_name(x_q.device))
+    cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
-    flags = _scheme_flags(scheme)
-    dummy = weights.w13
-    bias13 = weights.w13_bias if weights.has_bias else dummy
-    bias2 = weights.w2_bias if weights.has_bias else dummy
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
-                                  dummy=dummy)
-
+                                  dummy=weights.w13)
     inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
-    s13_e, s13_n = _scale_strides(weights.w13_scale)
-    interleaved = is_interleaved(activation)
-    g1 = cfg.gemm1
-    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g1.BLOCK_N),)](
-        x_q, a_scale if a_scale is not None else dummy, weights.w13,
-        weights.w13_scale if weights.w13_scale is not None else dummy, bias13, inter,
-        align.sorted_ids, align.expert_ids, align.num_post_padded,
-        T * k, align.num_blocks, I, H, k, 2 if interleaved else 1, 1 if interleaved else I,
-        x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
-        weights.w13.stride(0), weights.w13.stride(1), s13_e, s13_n, bias13.stride(0), inter.stride(0),
-        HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **flags, **_launch_kwargs(g1), GATED=weights.gated, **lora1, swiglu_limit=swiglu.limit,
-        swiglu_alpha=swiglu.alpha)
-
+    gemm1(x_q, a_scale, weights=weights, align=align, cfg=cfg, activation=activation, out=inter, top_k=k,
+          swiglu=swiglu, lora=lora1)
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,
-                                  dummy=dummy)
+                                  dummy=weights.w13)
     inter_q, inter_scale = quantize_intermediate(inter)
     out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
-    s2_e, s2_n = _scale_strides(weights.w2_scale)
-    g2 = cfg.gemm2
-    gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g2.BLOCK_N),)](
-        inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
-        weights.w2_scale if weights.w2_scale is not None else dummy, bias2, topk_weights, out,
-        align.sorted_ids, align.expert_ids, align.num_post_padded,
-        T * k, align.num_blocks, H, I,
-        inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
-        weights.w2.stride(0), weights.w2.stride(1), s2_e, s2_n, bias2.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2), **lora2)
+    gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
+          lora=lora2)
     return out.view(T, k, H).sum(dim=1) if k > 1 else out
+
+
+def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
+    """The config `fused_moe` runs with when given none: the tuned file's nearest M, else the heuristic."""
+    return get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
+                      top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
+                      device_name=device_name(device))
+
+
+def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,
+          cfg: MoEConfig, activation: Activation, out: torch.Tensor, top_k: int, swiglu: SwigluParams = SwigluParams(),
+          lora: Optional[dict] = None) -> None:
+    """One launch: act(x_q . w13[e]^T + bias) of every aligned slot into out [slots, I].
+
+    x_q [T, H] contiguous, slot s reads row s // top_k; `lora`: the GEMM1 epilogue keyword
+    arguments of `_lora_epilogue_kwargs` (None: no adapters).
+    """
+    dummy = weights.w13
+    bias = weights.w13_bias if weights.has_bias else dummy
+    s_e, s_n = _scale_strides(weights.w13_scale)
+    I, H = weights.intermediate, weights.hidden
+    interleaved = is_interleaved(activation)
+    g = cfg.gemm1
+    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g.BLOCK_N),)](
+        x_q, a_scale if a_scale is not None else dummy, weights.w13,
+        weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
+        align.sorted_ids, align.expert_ids, align.num_post_padded,
+        out.shape[0], align.num_blocks, I, H, top_k, 2 if interleaved else 1, 1 if interleaved else I,
+        x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+        weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
+        HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
+        **_scheme_flags(weights.scheme), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
+        swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
+
+
+def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights: MoEWeights,
+          topk_weights: torch.Tensor, align: Alignment, cfg: MoEConfig, out: torch.Tensor,
+          lora: Optional[dict] = None) -> None:
+    """One launch: topk_weight * (inter_q . w2[e]^T + bias) of every aligned slot into out [slots, H].
+
+    topk_weights contiguous; `lora` as in `gemm1`, for GEMM2.
+    """
+    dummy = weights.w13
+    bias = weights.w2_bias if weights.has_bias else dummy
+    s_e, s_n = _scale_strides(weights.w2_scale)
+    H, I = weights.hidden, weights.intermediate
+    g = cfg.gemm2
+    gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
+        inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
+        weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
+        align.sorted_ids, align.expert_ids, align.num_post_padded,
+        out.shape[0], align.num_blocks, H, I,
+        inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
+        weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights.scheme), **_launch_kwargs(g),
+        **(lora or _no_lora(dummy)))

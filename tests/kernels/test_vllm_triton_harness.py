@@ -1,0 +1,110 @@
+"""bench/vllm_triton.py: vLLM 0.33's fused_moe_kernel, run from its own fused_moe.py through the harness's
+stand-ins, agrees with our GEMMs (fp16 and FP8 under the interpreter: tests/kernels/conftest.py), its config
+lookup is vLLM's, and a fused_moe.py the harness cannot serve is refused by name.
+
+vLLM's file is located as the harness does (the installed vllm package, which scripts/test.sh installs, else
+carry/vllm033); the tests skip only when there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def vt(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    return importlib.import_module("vllm_triton")
+
+
+@pytest.fixture
+def fused_moe_dir(vt):
+    try:
+        return vt.find_fused_moe(None)
+    except vt.VllmNotFound as exc:
+        pytest.skip(f"vLLM 0.33's fused_moe.py cannot be located: {exc}")
+
+
+def _side_by_side(vt, tmp_path):
+    args = argparse.Namespace(smoke=True, models=None, out=str(tmp_path), ms=None, schemes=None, vllm_dir=None)
+    return vt.SideBySide(args)
+
+
+# (model, scheme, M, vLLM's SWAP_AB, naive one-slot-per-block assignment): tiny has E=8, k=2, so M=1 is naive
+# (4*M*k <= E); the stand-in capability is sm_90, where vLLM swaps A and B for FP8 at BLOCK_SIZE_M < 64.
+# tiny-oss has biases (HAS_BIAS) and the interleaved swigluoai.
+POINTS = [("tiny", "bf16", 1, False, True), ("tiny", "bf16", 40, False, False), ("tiny", "fp8_tensor", 5, True, False),
+          ("tiny", "fp8_block", 40, True, False), ("tiny-oss", "bf16", 5, False, False)]
+
+
+@pytest.mark.parametrize("model,scheme,M,swap_ab,naive", POINTS)
+def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme, M, swap_ab, naive):
+    row, _, _ = _side_by_side(vt, tmp_path).compare(model, scheme, M)
+    # Same inputs on both sides, so only accumulation order and output rounding differ: far inside the tolerance.
+    assert max(row["gemm1_rel_err"], row["rel_err"]) <= 3e-3 and row["tol"] == (1e-2 if scheme == "bf16" else 3e-2)
+    assert row["ok"]
+    launched = row["vllm_config"]["launched"]
+    assert (launched["SWAP_AB"], launched["naive_block_assignment"]) == (swap_ab, naive)
+    assert row["vllm_config"]["source"] == "get_default_config"  # no tuned file for the CPU
+
+
+@pytest.mark.parametrize("caught_by", ["rel_err", "gemm1_rel_err"])
+def test_disagreement_fails_the_point(vt, fused_moe_dir, tmp_path, monkeypatch, caught_by):
+    """A wrong vLLM launch is caught by its check and left out of the geomeans: GEMM2 without the router
+    weight (mul_routed_weight False), GEMM1 with the experts' weights in reverse order (a wrong expert index)."""
+    sbs = _side_by_side(vt, tmp_path)
+    real = sbs.vllm.invoke_fused_moe_triton_kernel
+    k = sbs.bench.models["tiny"].k
+
+    def wrong(*args, **kwargs):
+        args = list(args)
+        if caught_by == "rel_err" and args[10] == 1:  # GEMM2 (top_k 1)
+            args[9] = False
+        if caught_by == "gemm1_rel_err" and args[10] == k:  # GEMM1
+            args[1] = args[1].flip(0).contiguous()
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sbs.vllm, "invoke_fused_moe_triton_kernel", wrong)
+    sbs.rows = [sbs.point("tiny", "bf16", 5)]
+    assert not sbs.rows[0]["ok"] and sbs.rows[0][caught_by] > 0.1
+    assert sbs.geomeans() == {}
+
+
+def test_config_lookup_reads_vllms_tuned_file(vt, fused_moe_dir):
+    """gpt-oss-120b bf16 on an H100: vLLM's tuned file, nearest M; DeepSeek-V3 block FP8: no file, its default."""
+    v = vt.load_vllm(fused_moe_dir, vt._VllmStandIns((9, 0), "NVIDIA_H100_80GB_HBM3"))
+    name = "E=128,N=2880,device_name=NVIDIA_H100_80GB_HBM3.json"
+    table = {int(m): c for m, c in json.loads((fused_moe_dir / "configs" / name).read_text()).items()
+             if m != "triton_version"}
+    nearest = min(table, key=lambda m: abs(m - 300))
+    assert v.try_get_optimal_moe_config((128, 5760, 2880), (128, 2880, 2880), 4, None, 300) == table[nearest]
+    assert v.get_config_file_name(128, 2880, None, None) == name
+    cfg = v.try_get_optimal_moe_config((256, 4096, 7168), (256, 7168, 2048), 8, "fp8_w8a8", 16,
+                                       block_shape=[128, 128])
+    assert cfg == v.get_default_config(16, 256, 2048, 7168, 8, "fp8_w8a8", [128, 128])
+    assert (cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["GROUP_SIZE_M"]) == (16, 128, 1)
+
+
+def test_unknown_vllm_names_are_refused(vt, fused_moe_dir, tmp_path):
+    """A fused_moe.py referencing a name with no stand-in, or lacking a function, is refused by name."""
+    (tmp_path / "configs").mkdir()
+    stubs = [f"def {n}():\n    return None\n" for n in vt.VLLM_FUNCTIONS if n != "get_default_config"]
+    (tmp_path / "fused_moe.py").write_text("\n".join(stubs) + "\ndef get_default_config():\n    return mystery()\n")
+    with pytest.raises(vt.VllmNotFound, match=r"references \['mystery'\], which bench/vllm_triton.py has no stand-in"):
+        vt.load_vllm(tmp_path, vt._VllmStandIns((9, 0), "cpu"))
+    (tmp_path / "fused_moe.py").write_text("\n".join(stubs))
+    with pytest.raises(vt.VllmNotFound, match=r"has no get_default_config: not vLLM 0.33's fused_moe.py\?"):
+        vt.load_vllm(tmp_path, vt._VllmStandIns((9, 0), "cpu"))
+
+
+def test_vllm_imports_are_refused(vt):
+    guarded = vt._VllmStandIns._builtins()["__import__"]
+    with pytest.raises(ImportError, match=r"does not load vllm modules \(vllm._custom_ops\)"):
+        guarded("vllm._custom_ops", None, None, ("moe_sum",), 0)
+    assert guarded("vllm.model_executor.layers.fused_moe", None, None, ("get_config",), 0).get_config() is None

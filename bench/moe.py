@@ -157,6 +157,10 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results: dict = {"device": self.device_name(), "torch": torch.__version__}
         self._weights_cache: dict = {}
+        self.peers = None
+        if getattr(args, "peer_configs", None):
+            from vllm_triton import PeerConfigs  # bench/ is on sys.path: this script's own folder
+            self.peers = PeerConfigs(args.peer_configs, smoke=self.smoke)
 
     def log(self, *a):
         print(*a, flush=True)
@@ -314,8 +318,8 @@ class Bench:
                 w = layer.weights
                 table = self.existing_table(model, w.scheme)
                 for M in self.ms(sname):
-                    if M > 4096 and not self.smoke:
-                        continue  # nearest-M lookup reuses the 4096 entry; saves device time
+                    if M > 4096 and not self.smoke and not self.args.ms:
+                        continue  # unless asked for: nearest-M lookup reuses the 4096 entry; saves device time
                     x, ids, tw = self.inputs(name, M)
                     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
                                                           a13_scale=w.a13_scale)
@@ -327,20 +331,23 @@ class Bench:
                                              t, static_scale=w.a2_scale),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
-                    start = self.pick(run, self.seeds(M, model, w.scheme))
+                    start = self.pick(run, self.seeds(M, model, w, sname))
                     best = self.sweep(run, start, M, model, w.scheme)
                     table[str(M)] = best[1].to_dict()
                     self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} -> {best[0]:.1f} us {best[1]} "
                              f"({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
 
-    def seeds(self, M: int, model: Model, scheme: Scheme) -> list:
+    def seeds(self, M: int, model: Model, w, sname: str) -> list:
+        """The config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, and (--peer-configs) vLLM's."""
         from moerules.kernels.triton.config import get_config
+        scheme = w.scheme
         cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
                          in_dtype_name=self.in_dtype.value, device_name=self.device_name())
         heuristic = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme)
         resized = [MoEConfig(bm, cur.gemm1, cur.gemm2) for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2) if 16 <= bm <= 128]
-        return self.valid([cur, heuristic, *resized], scheme)
+        peer = self.peers.at(w, sname, M, model.k) if self.peers else None
+        return self.valid([cur, heuristic, *resized, *([peer] if peer else [])], scheme)
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
         """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
@@ -569,6 +576,9 @@ def main(argv=None):
     p.add_argument("--fast", action="store_true", help="eager timings only for M >= 1024")
     p.add_argument("--install-configs", action="store_true", help="tune: also write into kernels/configs/")
     p.add_argument("--schemes", nargs="+", choices=list(TIMED_SCHEMES), help="tune/bench only these schemes")
+    p.add_argument("--peer-configs", metavar="VLLM_DIR",
+                   help="tune: also seed with vLLM 0.33's config at each point (its fused_moe.py + configs/, as "
+                        "bench/get_vllm_triton.sh puts them in carry/vllm033), translated to our tiles")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":

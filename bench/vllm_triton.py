@@ -67,6 +67,7 @@ from moerules.kernels.activations import apply_activation
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.triton import launch
 from moerules.kernels.triton.align import Alignment, moe_align
+from moerules.kernels.triton.config import GemmConfig, MoEConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CARRIED = REPO / "carry" / "vllm033"
@@ -216,6 +217,50 @@ def load_vllm(folder: Path, stand_ins: _VllmStandIns) -> types.SimpleNamespace:
                                  sha256=hashlib.sha256(source.encode()).hexdigest())
 
 
+def load_vllm_for_device(vllm_dir: Optional[str], *, smoke: bool) -> tuple[types.SimpleNamespace, _VllmStandIns]:
+    """vLLM's functions with stand-ins for this GPU (the smoke run stands in an sm_90 named "cpu")."""
+    capability = (9, 0) if smoke else torch.cuda.get_device_capability()
+    # vLLM's device part of config file names (utils/platform_utils.py:69).
+    file_name = "cpu" if smoke else re.sub(r"[\s/]+", "_", torch.cuda.get_device_name())
+    stand_ins = _VllmStandIns(capability, file_name)
+    return load_vllm(find_fused_moe(vllm_dir), stand_ins), stand_ins
+
+
+def vllm_config(v: types.SimpleNamespace, stand_ins: _VllmStandIns, w, sname: str, M: int, top_k: int
+                ) -> tuple[dict, dict]:
+    """(vLLM's config at this point, the same as vLLM launches it: SWAP_AB and the block-scale BLOCK_K cap)."""
+    dtype, block_shape = VLLM_QUANT[sname]
+    config = v.try_get_optimal_moe_config(w.w13.size(), w.w2.size(), top_k, dtype, M, block_shape=block_shape)
+    launched = dict(config, SWAP_AB=dtype == "fp8_w8a8" and stand_ins.enable_swap_ab(config["BLOCK_SIZE_M"],
+                                                                                      config["BLOCK_SIZE_N"]))
+    if block_shape:
+        launched["BLOCK_SIZE_K"] = min(config["BLOCK_SIZE_K"], *block_shape)
+    return config, launched
+
+
+def as_our_config(launched: dict) -> MoEConfig:
+    """vLLM's tiles as ours, at the same work per program: vLLM's GEMM1 tile of BLOCK_SIZE_N rows of w13 is our
+    BLOCK_N / 2 gate rows plus as many up rows; GEMM2 tiles are alike."""
+    def gemm(block_n: int) -> GemmConfig:
+        return GemmConfig(BLOCK_N=block_n, BLOCK_K=launched["BLOCK_SIZE_K"], GROUP_M=launched["GROUP_SIZE_M"],
+                          num_warps=launched["num_warps"], num_stages=launched["num_stages"],
+                          SWAP_AB=launched["SWAP_AB"])
+    return MoEConfig(BLOCK_M=launched["BLOCK_SIZE_M"], gemm1=gemm(max(16, launched["BLOCK_SIZE_N"] // 2)),
+                     gemm2=gemm(launched["BLOCK_SIZE_N"]))
+
+
+class PeerConfigs:
+    """The tuner's peer seed (bench/moe.py --peer-configs): vLLM's config at a point, as ours."""
+
+    def __init__(self, vllm_dir: str, *, smoke: bool):
+        self.vllm, self.stand_ins = load_vllm_for_device(vllm_dir, smoke=smoke)
+
+    def at(self, w, sname: str, M: int, top_k: int) -> Optional[MoEConfig]:
+        if sname not in VLLM_QUANT:
+            return None  # MX: vLLM runs OAI's triton_kernels, not this kernel
+        return as_our_config(vllm_config(self.vllm, self.stand_ins, w, sname, M, top_k)[1])
+
+
 @dataclass
 class Side:
     """One side at one point: its two GEMM launches, its [M, H] output and activated GEMM1 output to check, the
@@ -239,11 +284,7 @@ class SideBySide:
         self.bench = Bench(argparse.Namespace(smoke=args.smoke, models=args.models, out=args.out, ms=args.ms,
                                               schemes=args.schemes))
         self.smoke = args.smoke
-        capability = (9, 0) if self.smoke else torch.cuda.get_device_capability()
-        # vLLM's device part of config file names (utils/platform_utils.py:69).
-        file_name = "cpu" if self.smoke else re.sub(r"[\s/]+", "_", torch.cuda.get_device_name())
-        self.stand_ins = _VllmStandIns(capability, file_name)
-        self.vllm = load_vllm(find_fused_moe(args.vllm_dir), self.stand_ins)
+        self.vllm, self.stand_ins = load_vllm_for_device(args.vllm_dir, smoke=args.smoke)
         # vLLM's compute_type is the unquantised activation dtype: bf16 here (fused_moe.py:1767-1772; for fp8
         # inputs experts/triton_moe.py:336-342 also takes bf16), fp16 in the interpreter.
         self.compute_type = tl.float16 if self.smoke else tl.bfloat16
@@ -300,7 +341,7 @@ class SideBySide:
         one expert assignment, GEMM2 with MUL_ROUTED_WEIGHT and top_k 1, reading `gemm2_input` (ours)."""
         v, w, (M, k) = self.vllm, layer.weights, ids.shape
         dtype, block_shape = VLLM_QUANT[sname]
-        config = v.try_get_optimal_moe_config(w.w13.size(), w.w2.size(), k, dtype, M, block_shape=block_shape)
+        config, launched = vllm_config(v, self.stand_ins, w, sname, M, k)
         sorted_ids, expert_ids, num_post = v._prepare_expert_assignment(ids, config, M, k, w.num_experts, None,
                                                                         block_shape=block_shape,
                                                                         ignore_invalid_experts=True)
@@ -322,19 +363,15 @@ class SideBySide:
         gemm2()
         return Side(launches=lambda: (gemm1(), gemm2()), out=out2.sum(dim=1),
                     gemm1_out=apply_activation(out1.view(M * k, -1), layer.experts.activation, layer.experts.swiglu),
-                    config=self.describe_vllm(config, w, dtype, block_shape, naive=sorted_ids is None))
+                    config=self.describe_vllm(launched, w, dtype, block_shape, naive=sorted_ids is None))
 
-    def describe_vllm(self, config: dict, w, dtype: Optional[str], block_shape: Optional[list[int]], *,
+    def describe_vllm(self, launched: dict, w, dtype: Optional[str], block_shape: Optional[list[int]], *,
                       naive: bool) -> dict:
-        """The config as vLLM launches it: SWAP_AB, the block-scale BLOCK_K cap, and where it came from."""
+        """The config as vLLM launches it, and where it came from."""
         v, E, N = self.vllm, w.num_experts, w.w2.shape[2]
         bn, bk = block_shape or (0, 0)
         found = v.get_moe_configs(E, N, dtype, bn, bk) is not None
-        launched = dict(config, SWAP_AB=dtype == "fp8_w8a8" and self.stand_ins.enable_swap_ab(
-            config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]), naive_block_assignment=naive)
-        if block_shape:
-            launched["BLOCK_SIZE_K"] = min(config["BLOCK_SIZE_K"], *block_shape)
-        return {"launched": launched,
+        return {"launched": dict(launched, naive_block_assignment=naive),
                 "source": v.get_config_file_name(E, N, dtype, block_shape) if found else "get_default_config"}
 
     def our_gemms(self, layer, x_q, a_scale, ids, tw) -> Side:

@@ -14,6 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from moerules.kernels.triton.config import GemmConfig, MoEConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +92,20 @@ def test_config_lookup_reads_vllms_tuned_file(vt, fused_moe_dir):
                                        block_shape=[128, 128])
     assert cfg == v.get_default_config(16, 256, 2048, 7168, 8, "fp8_w8a8", [128, 128])
     assert (cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["GROUP_SIZE_M"]) == (16, 128, 1)
+
+
+def test_peer_seed_is_vllms_launched_config_in_our_tiles(vt, fused_moe_dir):
+    """DeepSeek-V3 block FP8 at M=16 on an H100: vLLM launches its default M16 N128 K128 G1 w4 s3 with SWAP_AB
+    (sm_90, BLOCK_M < 64, BLOCK_N >= 64); as ours, GEMM1 takes 64 gate + 64 up rows, GEMM2 128 columns."""
+    v, stand_ins = vt.load_vllm_for_device(str(fused_moe_dir), smoke=True)
+    w = type("W", (), {"w13": torch.empty(256, 4096, 7168, device="meta"),
+                       "w2": torch.empty(256, 7168, 2048, device="meta")})()
+    config, launched = vt.vllm_config(v, stand_ins, w, "fp8_block", 16, 8)
+    assert config == v.get_default_config(16, 256, 2048, 7168, 8, "fp8_w8a8", [128, 128])
+    assert launched["SWAP_AB"] is True and launched["BLOCK_SIZE_K"] == 128
+    gemm = dict(BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
+    assert vt.as_our_config(launched) == MoEConfig(BLOCK_M=16, gemm1=GemmConfig(BLOCK_N=64, **gemm),
+                                                   gemm2=GemmConfig(BLOCK_N=128, **gemm))
 
 
 def test_unknown_vllm_names_are_refused(vt, fused_moe_dir, tmp_path):

@@ -15,8 +15,8 @@ tune() {  # tune SECONDS MODEL SCHEME... -- the Ms
 }
 tune 60 mixtral-8x7b --schemes fp8_tensor --ms 1024 4096 16384
 tune 80 deepseek-v3 --schemes fp8_block --ms 4096 16384
-tune 50 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 4096 16384
-tune 40 gpt-oss-120b --schemes mxfp4 --ms 2048 4096
+tune 45 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 4096 16384
+tune 50 gpt-oss-120b --schemes mxfp4 --ms 2048 4096
 timeout 175 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --out "$out/vllm_triton" > "$out/vllm_triton.log" 2>&1
 timeout 110 python3 -m pytest tests/kernels -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 timeout 70 python3 bench/moe.py --phase bench --models qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16 256 --fast \

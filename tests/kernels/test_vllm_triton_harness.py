@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def fused_moe_dir(vt):
         pytest.skip(f"vLLM 0.33's fused_moe.py cannot be located: {exc}")
 
 
+# The smoke path runs tiny fp16 shapes on CPU tensors through the Triton interpreter; on a GPU machine
+# bench/vllm_triton.py itself checks both sides at every point of the real grid before timing it.
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the harness's smoke path runs in the Triton interpreter (CPU)")
+
+
 def _side_by_side(vt, tmp_path):
     args = argparse.Namespace(smoke=True, models=None, out=str(tmp_path), ms=None, schemes=None, vllm_dir=None)
     return vt.SideBySide(args)
@@ -47,6 +54,7 @@ POINTS = [("tiny", "bf16", 1, False, True), ("tiny", "bf16", 40, False, False), 
           ("tiny", "fp8_block", 40, True, False), ("tiny-oss", "bf16", 5, False, False)]
 
 
+@needs_interpreter
 @pytest.mark.parametrize("model,scheme,M,swap_ab,naive", POINTS)
 def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme, M, swap_ab, naive):
     row, _, _ = _side_by_side(vt, tmp_path).compare(model, scheme, M)
@@ -58,6 +66,7 @@ def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme
     assert row["vllm_config"]["source"] == "get_default_config"  # no tuned file for the CPU
 
 
+@needs_interpreter
 @pytest.mark.parametrize("caught_by", ["rel_err", "gemm1_rel_err"])
 def test_disagreement_fails_the_point(vt, fused_moe_dir, tmp_path, monkeypatch, caught_by):
     """A wrong vLLM launch is caught by its check and left out of the geomeans: GEMM2 without the router

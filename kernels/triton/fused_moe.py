@@ -3,10 +3,13 @@
 Both GEMMs read the token rows of one BLOCK_M block of `sorted_ids` (see align.py), all of
 one expert, and multiply them with that expert's weights [N, K] (K contiguous).
 
-GEMM1 keeps two accumulators, gate and up, for the same output columns, and writes
-act(gate) * up: the [M*k, 2I] pre-activation never reaches memory. Gate/up row pairs are
-(n, I + n) for the halves layout and (2n, 2n + 1) when interleaved (gpt-oss). With GATED
-False (the `*_no_mul` activations, w13 has I rows) it keeps one accumulator and writes act(h).
+GEMM1 multiplies one weight tile holding the gate rows and the up rows of the same BLOCK_N output
+columns, one MMA per K step, splits the accumulator after the K loop and writes act(gate) * up: the
+[M*k, 2I] pre-activation never reaches memory. Gate/up row pairs are (n, I + n) for the halves layout
+and (2n, 2n + 1) when interleaved (gpt-oss). With GATED False (the `*_no_mul` activations, w13 has I
+rows) the tile holds BLOCK_N rows and it writes act(h).
+
+SWAP_AB (a config field): the weight tile is the MMA's M side and the tokens its N side (`_dot`).
 
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each

@@ -1,7 +1,7 @@
 """vLLM 0.33's Triton fused-MoE GEMMs side by side with ours: same inputs, same device, same protocol.
 
     bash bench/get_vllm_triton.sh                      # once: vLLM's fused_moe.py + configs/ -> carry/vllm033
-    python bench/vllm_triton.py --out DIR [--vllm-dir carry/vllm033] [--models ..] [--schemes ..] [--ms ..]
+    python bench/vllm_triton.py --out DIR [--vllm-dir carry/vllm033] [--models ..] [--schemes ..] [--ms ..] [--per-gemm]
     TRITON_INTERPRET=1 python bench/vllm_triton.py --smoke --out DIR   # tiny fp16 shapes on the CPU
 
 What runs on the vLLM side is vLLM's own code, read at run time from its `fused_moe.py` (never
@@ -265,11 +265,16 @@ class PeerConfigs:
 class Side:
     """One side at one point: its two GEMM launches, its [M, H] output and activated GEMM1 output to check, the
     config it launched; ours also hands its quantised intermediate to vLLM's GEMM2."""
-    launches: Callable[[], Any]
+    gemm1: Callable[[], Any]
+    gemm2: Callable[[], Any]
     out: torch.Tensor
     gemm1_out: torch.Tensor
     config: dict
     gemm2_input: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def launches(self):
+        self.gemm1()
+        self.gemm2()
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -283,7 +288,7 @@ class SideBySide:
     def __init__(self, args):
         self.bench = Bench(argparse.Namespace(smoke=args.smoke, models=args.models, out=args.out, ms=args.ms,
                                               schemes=args.schemes))
-        self.smoke = args.smoke
+        self.smoke, self.per_gemm = args.smoke, getattr(args, "per_gemm", False)
         self.vllm, self.stand_ins = load_vllm_for_device(args.vllm_dir, smoke=args.smoke)
         # vLLM's compute_type is the unquantised activation dtype: bf16 here (fused_moe.py:1767-1772; for fp8
         # inputs experts/triton_moe.py:336-342 also takes bf16), fp16 in the interpreter.
@@ -303,11 +308,14 @@ class SideBySide:
         return all(r["ok"] for r in self.rows)
 
     def point(self, name: str, sname: str, M: int) -> dict:
-        """Checked, then timed: vLLM's two GEMMs and ours."""
+        """Checked, then timed: vLLM's two GEMMs and ours (--per-gemm: also each GEMM alone)."""
         try:
-            row, vllm_fn, ours_fn = self.compare(name, sname, M)
-            row["vllm_us"] = self.bench.time_us(vllm_fn, graph=True)
-            row["ours_us"] = self.bench.time_us(ours_fn, graph=True)
+            row, vllm, ours = self.compare(name, sname, M)
+            for side, who in ((vllm, "vllm"), (ours, "ours")):
+                row[f"{who}_us"] = self.bench.time_us(side.launches, graph=True)
+                if self.per_gemm:
+                    row[f"{who}_gemm1_us"] = self.bench.time_us(side.gemm1, graph=True)
+                    row[f"{who}_gemm2_us"] = self.bench.time_us(side.gemm2, graph=True)
             row["ratio"] = row["vllm_us"] / row["ours_us"]
         except torch.OutOfMemoryError:
             row = {"model": name, "scheme": sname, "M": M, "ok": False, "error": "out of memory"}
@@ -318,7 +326,7 @@ class SideBySide:
         return row
 
     def compare(self, name: str, sname: str, M: int):
-        """(row with both checks, vLLM's two GEMM launches, ours) at one point."""
+        """(row with both checks, vLLM's side, ours) at one point."""
         b = self.bench
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
         w = layer.weights
@@ -334,7 +342,7 @@ class SideBySide:
         row = {"model": name, "scheme": sname, "M": M, "gemm1_rel_err": gemm1_err, "rel_err": out_err, "tol": tol,
                "ok": gemm1_err <= tol and out_err <= tol,  # False on NaN
                "vllm_config": vllm.config, "ours_config": ours.config}
-        return row, vllm.launches, ours.launches
+        return row, vllm, ours
 
     def vllm_gemms(self, layer, sname: str, x_q, a_scale, ids, tw, *, gemm2_input) -> Side:
         """vLLM's GEMM1 and GEMM2 launches as fused_experts_impl makes them (fused_moe.py:1745-1861): one config,
@@ -361,7 +369,7 @@ class SideBySide:
                                              num_post, True, 1, config, B_bias=w.w2_bias, **flags)
         gemm1()
         gemm2()
-        return Side(launches=lambda: (gemm1(), gemm2()), out=out2.sum(dim=1),
+        return Side(gemm1=gemm1, gemm2=gemm2, out=out2.sum(dim=1),
                     gemm1_out=apply_activation(out1.view(M * k, -1), layer.experts.activation, layer.experts.swiglu),
                     config=self.describe_vllm(launched, w, dtype, block_shape, naive=sorted_ids is None))
 
@@ -399,7 +407,7 @@ class SideBySide:
             launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
         full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
                                 quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
-        return Side(launches=lambda: (gemm1(), gemm2()), out=full, gemm1_out=inter, config=cfg.to_dict(),
+        return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),
                     gemm2_input=(inter_q, inter_scale))
 
     def geomeans(self) -> dict:
@@ -457,6 +465,8 @@ def _row_line(r: dict) -> str:
     head = (f"{'ok  ' if r['ok'] else 'FAIL'} {r['model']:14s} {r['scheme']:10s} M={r['M']:<6d} "
             f"rel_err GEMM1 {r['gemm1_rel_err']:.1e} out {r['rel_err']:.1e}")
     times = f" vLLM {r['vllm_us']:.1f} us, ours {r['ours_us']:.1f} us, vLLM/ours {r['ratio']:.3f}"
+    if "ours_gemm1_us" in r:
+        times += "".join(f"; GEMM{g} {r[f'vllm_gemm{g}_us']:.1f} / {r[f'ours_gemm{g}_us']:.1f} us" for g in (1, 2))
     if not r["ok"]:
         return head + f" > tol {r['tol']:.0e}: vLLM's GEMMs and ours disagree;{times} (not in the geomeans)"
     return head + times
@@ -472,6 +482,8 @@ def main(argv=None) -> int:
     p.add_argument("--ms", nargs="+", type=int, help="token counts (default: bench/moe.py's M_LIST)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/vllm_triton"))
     p.add_argument("--smoke", action="store_true", help="tiny fp16 shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--per-gemm", action="store_true",
+                   help="also time each side's GEMM1 and GEMM2 alone (columns in results.json; about doubles the run)")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")

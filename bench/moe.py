@@ -332,6 +332,9 @@ class Bench:
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
                     start = self.pick(run, self.seeds(M, model, w, sname))
+                    if start is None:
+                        self.log(f"not tuned {name} {sname} M={M}: no seed config ran (see the skips above)")
+                        continue
                     best = self.sweep(run, start, M, model, w.scheme)
                     table[str(M)] = best[1].to_dict()
                     self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} -> {best[0]:.1f} us {best[1]} "

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 11's closing device runs on the H100 (each call <= 600 s): the steps named on the command line, in order.
-#   tune     tune the points the side-by-side found weakest (seeded with vLLM's configs; installs the configs)
-#   harness  the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py)
-#   recheck  the side-by-side again on Mixtral (the model tuned most)
-#   tests    the GPU kernel tests
-#   bench    the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
-# e.g. `bash bench/final_h100.sh tune harness tests bench` (run 1), `bash bench/final_h100.sh tests harness tune
-# recheck` (run 2, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished; OUT_NAME names the output folder.
+# Issue 11's device runs (each call <= 600 s): the steps named on the command line, in order.
+#   tests     the GPU kernel tests
+#   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py)
+#   tune      tune the points the last side-by-side found weakest (seeded with vLLM's configs; installs the configs)
+#   recheck   the side-by-side again on Mixtral (the model tuned most)
+#   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
+#   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
+#             (default all four) and TUNE_SECONDS per model (default 140) fit it into several calls
+# Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
+# (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site carry/whl/*.whl
@@ -23,6 +25,12 @@ tune() {  # the points below 1.00 in the side-by-side of the previous run (run 1
   tune_one 60 mixtral-8x7b --schemes fp8_tensor --ms 1024 4096 16384
   tune_one 35 mixtral-8x7b --schemes bf16 --ms 16384
   tune_one 45 qwen3-30b-a3b --schemes fp8_tensor --ms 4096 16384
+}
+tune_all() {
+  local m
+  for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 --ms 1 16 64 256 1024 4096 16384
+  done
 }
 harness() {
   timeout 175 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --out "$out/vllm_triton" > "$out/vllm_triton.log" 2>&1

@@ -331,26 +331,33 @@ class Bench:
                                              t, static_scale=w.a2_scale),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
-                    start = self.pick(run, self.seeds(M, model, w, sname))
+                    seeds = self.seeds(M, model, w, sname)
+                    start = self.pick(run, list(seeds))
                     if start is None:
                         self.log(f"not tuned {name} {sname} M={M}: no seed config ran (see the skips above)")
                         continue
                     best = self.sweep(run, start, M, model, w.scheme)
                     table[str(M)] = best[1].to_dict()
-                    self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} -> {best[0]:.1f} us {best[1]} "
-                             f"({time.time() - t0:.0f} s)")
+                    self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} us (seed: {seeds[start[1]]}) -> "
+                             f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
 
-    def seeds(self, M: int, model: Model, w, sname: str) -> list:
-        """The config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, and (--peer-configs) vLLM's."""
+    def seeds(self, M: int, model: Model, w, sname: str) -> dict:
+        """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, and
+        (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
         from moerules.kernels.triton.config import get_config
         scheme = w.scheme
         cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
                          in_dtype_name=self.in_dtype.value, device_name=self.device_name())
-        heuristic = default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme)
-        resized = [MoEConfig(bm, cur.gemm1, cur.gemm2) for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2) if 16 <= bm <= 128]
+        named = [(cur, "in use"), (default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme),
+                                   "heuristic")]
+        named += [(MoEConfig(bm, cur.gemm1, cur.gemm2), f"BLOCK_M {bm}") for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2)
+                  if 16 <= bm <= 128]
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
-        return self.valid([cur, heuristic, *resized, *([peer] if peer else [])], scheme)
+        if peer:
+            named.append((peer, "vLLM's"))
+        valid = self.valid([c for c, _ in named], scheme)
+        return {c: name for c, name in reversed(named) if c in valid}  # reversed: the first name wins
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
         """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""

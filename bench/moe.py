@@ -345,10 +345,9 @@ class Bench:
     def seeds(self, M: int, model: Model, w, sname: str) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, and
         (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
-        from moerules.kernels.triton.config import get_config
+        from moerules.kernels.triton.launch import config_for
         scheme = w.scheme
-        cur = get_config(num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=scheme,
-                         in_dtype_name=self.in_dtype.value, device_name=self.device_name())
+        cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
         named = [(cur, "in use"), (default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme),
                                    "heuristic")]
         named += [(MoEConfig(bm, cur.gemm1, cur.gemm2), f"BLOCK_M {bm}") for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2)

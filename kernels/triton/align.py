@@ -14,8 +14,8 @@ check in `routing.validate_topk` reports them wherever a sync is allowed.
 Tiny batches (4*T <= E, as in vLLM's naive assignment) skip sorting: each slot gets a block.
 Small ones (T <= _ONE_PROGRAM_SLOTS) are aligned by one program in one launch; larger ones take a zeroing
 memset and four grid-wide launches (count, run offsets, block experts, scatter). At decode sizes every
-launch costs about as much as its work, and the four saved launches are ~4-8% of a Qwen3-30B-A3B FP8 forward
-at M = 16-64.
+launch costs about as much as its work: Qwen3-30B-A3B at M=16 went from 16 to 12 launches per FP8 forward
+and ran 1.03x faster on the H100 (bench/results/decode_align).
 """
 
 from __future__ import annotations

@@ -384,8 +384,8 @@ def gemm1_gated_kernel(
     gate_rows = cols * gate_row_step
     up_rows = gate_rows + up_row_offset
     # Gated, one weight tile holds the BLOCK_N gate rows then the BLOCK_N up rows, so each K step is one MMA
-    # of twice the width: two half-width MMAs re-read the A tile from shared memory, which bound FP8 GEMM1 at
-    # large M (Mixtral-8x7B FP8, M=4096: 0.83x vLLM's single [gate|up]-column tile at the same tile sizes).
+    # of twice the width: two half-width MMAs re-read the A tile from shared memory. On the H100 the GEMMs ran
+    # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
     W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     j = tl.arange(0, W_COLS)
     w_cols = pid_n * BLOCK_N + j % BLOCK_N
@@ -450,7 +450,8 @@ def gemm2_weighted_kernel(
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
                       k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
-    out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
+                          A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 11's device runs (each call <= 600 s): the steps named on the command line, in order.
-#   tests     the GPU kernel tests
+#   tests     the GPU kernel tests (tests_tiles: only the tile-variant ones)
 #   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py)
 #   tune      tune the points the last side-by-side found weakest (seeded with vLLM's configs; installs the configs)
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
+#   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four) and TUNE_SECONDS per model (default 140) fit it into several calls
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -26,6 +27,12 @@ tune() {  # the points below 1.00 in the side-by-side of the previous run (run 1
   tune_one 35 mixtral-8x7b --schemes bf16 --ms 16384
   tune_one 45 qwen3-30b-a3b --schemes fp8_tensor --ms 4096 16384
 }
+decode() {
+  tune_one 35 mixtral-8x7b --schemes bf16 fp8_tensor --ms 1
+  tune_one 60 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16
+  tune_one 100 deepseek-v3 --schemes bf16 fp8_tensor fp8_block --ms 1 16
+  tune_one 100 gpt-oss-120b --schemes bf16 fp8_tensor mxfp4 --ms 1 16
+}
 tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
@@ -38,6 +45,10 @@ harness() {
 recheck() {
   timeout 60 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --models mixtral-8x7b \
     --out "$out/vllm_triton_recheck" > "$out/vllm_triton_recheck.log" 2>&1
+}
+tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one-row tiles, LoRA, edge shapes)
+  timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py -k "variants or one_row or edge" \
+    -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 }
 tests() {
   timeout 110 python3 -m pytest tests/kernels -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"

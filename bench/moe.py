@@ -50,8 +50,9 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
-from moerules.kernels.triton.config import (CONFIG_DIR, MoEConfig, _load_file, check_config,
+from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
                                            config_file_name, default_config, dtype_key)
+from moerules.kernels.triton.launch import config_for, fused_moe
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
@@ -138,6 +139,11 @@ TOL = {"unquantized": 1e-2, "w8a16": 1e-2, "w4a16": 1e-2, "w8a8": 3e-2, "mxfp8":
 def tolerance(cell: str) -> float:
     return TOL[next((k for k in ("w8a16", "w4a16", "mxfp8") if k in cell), "unquantized" if cell == "unquantized"
                     else "w8a8")]
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((a.float() - ref).norm() / ref.norm()).item()
 
 
 def _operand_bytes(scheme: Scheme) -> tuple[float, int]:
@@ -304,13 +310,17 @@ class Bench:
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
+    # One-row blocks (BLOCK_M 1, the GEMV path) are seeded where the mean rows per expert is at most one: each
+    # slot then reads its expert's weights alone, which an MMA block would read once for all its rows. A GEMV
+    # program holds no MMA tile, so its space reaches narrower N tiles, deeper K steps and no pipelining.
+    GEMV_SEEDS = ((16, 256), (32, 128))  # (BLOCK_N, BLOCK_K) per 2-byte weight; 8-bit and fp4 weights double K
+    GEMV_BLOCK_N_MIN, GEMV_BLOCK_K_MAX = 8, 1024
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
         """Per (model, scheme, M): seed with the config in use, the heuristic and BLOCK_M x{1/2, 2}; then one
         coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB,
         keeping each field's best before the next. A config only replaces the one in use if it is faster."""
-        from moerules.kernels.triton.launch import fused_moe
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
@@ -337,26 +347,40 @@ class Bench:
                         self.log(f"not tuned {name} {sname} M={M}: no seed config ran (see the skips above)")
                         continue
                     best = self.sweep(run, start, M, model, w.scheme)
+                    in_use = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
+                    err = rel_err(run(best[1]), run(in_use))
+                    if not err <= tolerance(cell):  # not NaN either
+                        self.log(f"not tuned {name} {sname} M={M}: {best[1]} gives rel err {err:.1e} against the "
+                                 f"config in use (tol {tolerance(cell):.0e})")
+                        continue
                     table[str(M)] = best[1].to_dict()
                     self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} us (seed: {seeds[start[1]]}) -> "
                              f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
 
     def seeds(self, M: int, model: Model, w, sname: str) -> dict:
-        """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, and
-        (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
-        from moerules.kernels.triton.launch import config_for
+        """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
+        seeds and (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
         named = [(cur, "in use"), (default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme),
                                    "heuristic")]
         named += [(MoEConfig(bm, cur.gemm1, cur.gemm2), f"BLOCK_M {bm}") for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2)
                   if 16 <= bm <= 128]
+        if M * model.k <= model.E:
+            named += [(self.gemv_config(bn, bk, scheme), f"GEMV N{bn} K{bk}") for bn, bk in self.GEMV_SEEDS]
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
         if peer:
             named.append((peer, "vLLM's"))
         valid = self.valid([c for c, _ in named], scheme)
         return {c: name for c, name in reversed(named) if c in valid}  # reversed: the first name wins
+
+    def gemv_config(self, block_n: int, block_k: int, scheme: Scheme) -> MoEConfig:
+        block_k *= 2 if _operand_bytes(scheme)[0] < 2 else 1
+        if scheme.weight_granularity == G.block128:
+            block_k = min(block_k, 128)  # one scale block per K step (check_config)
+        g = GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2)
+        return MoEConfig(BLOCK_M=1, gemm1=g, gemm2=g)
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
         """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
@@ -364,22 +388,24 @@ class Bench:
         for which in ("gemm1", "gemm2"):
             for field in ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB"):
                 g = getattr(best[1], which)
-                values = self.field_values(field, getattr(g, field), m_blocks)
+                values = self.field_values(field, getattr(g, field), m_blocks, gemv=best[1].BLOCK_M == 1)
                 cfgs = [replace(best[1], **{which: replace(g, **{field: v})}) for v in values]
                 found = self.pick(run, self.valid(cfgs, scheme))
                 if found and found[0] < best[0]:
                     best = found
         return best
 
-    def field_values(self, field: str, cur, m_blocks: int) -> list:
-        if field in ("BLOCK_N", "BLOCK_K"):
-            return [v for v in (cur // 2, cur * 2) if 16 <= v <= 256]
+    def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool) -> list:
+        if field == "BLOCK_N":
+            return [v for v in (cur // 2, cur * 2) if (self.GEMV_BLOCK_N_MIN if gemv else 16) <= v <= 256]
+        if field == "BLOCK_K":
+            return [v for v in (cur // 2, cur * 2) if 16 <= v <= (self.GEMV_BLOCK_K_MAX if gemv else 256)]
         if field == "GROUP_M":  # only matters with several row blocks per column sweep
             return [v for v in self.GROUP_MS if v != cur and v < m_blocks]
         if field == "num_warps":
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
-            return [v for v in self.STAGES if v != cur]
+            return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
         return [not cur]  # SWAP_AB
 
     def valid(self, cfgs, scheme: Scheme) -> list:

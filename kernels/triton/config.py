@@ -158,5 +158,5 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MXFP4 weights")
         if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K != MX_GROUP:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be {MX_GROUP} for MXFP8 (one e8m0 group per K step)")
-    if cfg.BLOCK_M < 16:
-        raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16)")
+    if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
+        raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

@@ -128,13 +128,27 @@ def _acc_rows_first(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _row_dot(a, w, acc, SWAP_AB: tl.constexpr):
+    """`_dot` for a one-row block, on CUDA cores: products in the accumulator's type, summed over K."""
+    if SWAP_AB:
+        acc += tl.sum(w.to(acc.dtype) * a.to(acc.dtype), axis=1)[:, None]
+    else:
+        acc += tl.sum(w.to(acc.dtype) * tl.reshape(a, (a.shape[1], 1)).to(acc.dtype), axis=0)[None, :]
+    return acc
+
+
+@triton.jit
 def _dot(a, w, acc, SWAP_AB: tl.constexpr):
     """acc += a . w, with w [BLOCK_K, BLOCK_N]; or, swapped, acc^T += w . a^T with w [BLOCK_N, BLOCK_K].
 
     Swapped, the weight tile is the MMA's M side (Hopper's wgmma needs 64 rows there) and a few tokens
     its N side (8 suffice): at decode a 16-row token block otherwise fills an Ampere-style mma.sync.
+    A one-row block (BLOCK_M 1, below tl.dot's smallest tile) is a GEMV: each program then streams a
+    narrow weight slice with no MMA padding, so a decode step runs many more programs.
     """
-    if SWAP_AB:
+    if a.shape[0] == 1:
+        acc = _row_dot(a, w, acc, SWAP_AB)
+    elif SWAP_AB:
         acc = tl.dot(w, tl.trans(a), acc, out_dtype=acc.dtype)
     else:
         acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
@@ -311,7 +325,7 @@ def _lora_delta(shrink_ptr, stride_sm, slot, row_ok, lora_b_e, w_rows, col_ok, s
     s = tl.load(shrink_ptr + slot[:, None] * stride_sm + rs[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     b = tl.load(lora_b_e + w_rows[None, :].to(tl.int64) * stride_lbn + rs[:, None],
                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    return tl.dot(s, b, out_dtype=tl.float32)
+    return _dot(s, b, tl.zeros((s.shape[0], b.shape[1]), tl.float32), False)
 
 
 @triton.jit
@@ -339,7 +353,7 @@ def lora_shrink_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(la_e + rs[None, :] * stride_lar + ks[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, False)
     tl.store(out_ptr + slot[:, None] * stride_om + rs[None, :], (acc * scaling).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 

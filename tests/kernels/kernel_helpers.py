@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moerules.activation import Activation, Dtype
@@ -49,3 +51,25 @@ def reference64(layer, x, ids, w) -> torch.Tensor:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "output has NaN/Inf (an element was not written?)"
     return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _both_gemms(cfg, **fields):
+    return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, **fields),
+                               gemm2=dataclasses.replace(cfg.gemm2, **fields))
+
+
+def run_with_config(monkeypatch, change) -> None:
+    """Every config the layer looks up is passed through `change` (as a tuned file could set it)."""
+    from moerules.kernels.triton import launch
+
+    real_get_config = launch.get_config
+    monkeypatch.setattr(launch, "get_config", lambda **kwargs: change(real_get_config(**kwargs)))
+
+
+# SWAP_AB: the weights on the MMA's M side (transposed loads, scale broadcasts, the accumulator's transpose
+# before the epilogue). BLOCK_M 1: the GEMV path, on CUDA cores (fused_moe._row_dot), in both orientations.
+TILE_VARIANTS = {
+    "swapped": lambda cfg: _both_gemms(cfg, SWAP_AB=True),
+    "one_row": lambda cfg: dataclasses.replace(cfg, BLOCK_M=1),
+    "one_row_swapped": lambda cfg: dataclasses.replace(_both_gemms(cfg, SWAP_AB=True), BLOCK_M=1),
+}

@@ -13,11 +13,10 @@ Shapes are small and not multiples of any block (H=160, I=96) to keep CI at a fe
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, random_inputs, reference64, rel_err
+from kernel_helpers import (DEVICE, TILE_VARIANTS, TRITON_DTYPE, make_layer, random_inputs, reference64, rel_err,
+                            run_with_config)
 
 from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels.activations import GATED_ACTIVATIONS
@@ -57,7 +56,10 @@ def test_triton_every_activation(cell, activation, poison_empty):
     (70, 2, 4),     # several BLOCK_M blocks per expert
     (40, 1, 16),    # top_k=1 through the sorted path
 ])
-def test_triton_edge_shapes(M, top_k, E, poison_empty):
+@pytest.mark.parametrize("variant", [None, "one_row"])
+def test_triton_edge_shapes(M, top_k, E, variant, poison_empty, monkeypatch):
+    if variant:
+        run_with_config(monkeypatch, TILE_VARIANTS[variant])
     layer = make_layer("triton.fused_moe", "fp8_w8a8/channel/token", dtype=TRITON_DTYPE, E=E, H=144, I=80,
                        device=DEVICE)
     x, ids, w = random_inputs(layer, M, top_k, device=DEVICE)
@@ -129,20 +131,11 @@ def test_a_models_swiglu_limit_and_alpha_reach_the_kernel(kernel_id, poison_empt
     assert rel_err(out, reference64(layer, x, ids, w)) > 0.2
 
 
+@pytest.mark.parametrize("variant", TILE_VARIANTS)
 @pytest.mark.parametrize("cell", CELLS)
-def test_triton_swapped_tiles_every_cell(cell, poison_empty, monkeypatch):
-    """SWAP_AB (weights on the MMA's M side) computes the same layer as the standard tiles, in every scheme:
-    its transposed loads, scale broadcasts and the accumulator's transpose before the epilogue."""
-    from moerules.kernels.triton import launch
-
-    real_get_config = launch.get_config
-
-    def swapped(**kwargs):
-        cfg = real_get_config(**kwargs)
-        return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, SWAP_AB=True),
-                                   gemm2=dataclasses.replace(cfg.gemm2, SWAP_AB=True))
-
-    monkeypatch.setattr(launch, "get_config", swapped)
+def test_triton_tile_variants_every_cell(cell, variant, poison_empty, monkeypatch):
+    """Each tile variant computes the same layer as the standard tiles, in every scheme."""
+    run_with_config(monkeypatch, TILE_VARIANTS[variant])
     layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
                        device=DEVICE)
     x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)

@@ -17,7 +17,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, reference64, rel_err
+from kernel_helpers import (DEVICE, TILE_VARIANTS, TRITON_DTYPE, make_layer, quant_of, random_inputs, reference64,
+                            rel_err, run_with_config)
 
 from moerules.activation import Activation, Dtype
 from moerules.kernels import KernelBuildError, LoRAWeights, build_layer, make_random_lora, make_random_weights
@@ -70,6 +71,15 @@ def test_triton_lora_every_weight_only_cell(cell, activation, poison_empty):
     layer = make_layer("triton.fused_moe", cell, activation=activation, dtype=TRITON_DTYPE, bias=True, lora_rank=8,
                        device=DEVICE)
     x, ids, tw = random_inputs(layer, 13, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=tw), reference64(layer, x, ids, tw)) < TRITON_TOL
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_triton_lora_one_row_blocks(swap_ab, poison_empty, monkeypatch):
+    """BLOCK_M 1 (the GEMV path): the shrink and both expand epilogues run their one-row products too."""
+    run_with_config(monkeypatch, TILE_VARIANTS["one_row_swapped" if swap_ab else "one_row"])
+    layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, bias=True, lora_rank=8, device=DEVICE)
+    x, ids, tw = random_inputs(layer, 9, 2, device=DEVICE)
     assert rel_err(layer(x, topk_ids=ids, topk_weights=tw), reference64(layer, x, ids, tw)) < TRITON_TOL
 
 

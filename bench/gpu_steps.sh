@@ -6,6 +6,7 @@
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
+#   persist   try PERSISTENT (programs looping over tiles) at M = 1024-16384 on every model
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four) and TUNE_SECONDS per model (default 140) fit it into several calls
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -32,6 +33,12 @@ decode() {
   tune_one 60 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16
   tune_one 100 deepseek-v3 --schemes bf16 fp8_tensor fp8_block --ms 1 16
   tune_one 100 gpt-oss-120b --schemes bf16 fp8_tensor mxfp4 --ms 1 16
+}
+persist() {  # PERSISTENT (0, 1, 2 programs per SM) for each GEMM from the config in use, at large M
+  local m
+  for m in qwen3-30b-a3b deepseek-v3 gpt-oss-120b mixtral-8x7b; do
+    tune_one "${PERSIST_SECONDS:-75}" "$m" --schemes bf16 fp8_tensor fp8_block --ms 4096 16384 1024 --fields PERSISTENT
+  done
 }
 tune_all() {
   local m

@@ -307,6 +307,7 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "PERSISTENT")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -318,9 +319,11 @@ class Bench:
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
-        """Per (model, scheme, M): seed with the config in use, the heuristic and BLOCK_M x{1/2, 2}; then one
-        coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB,
-        keeping each field's best before the next. A config only replaces the one in use if it is faster."""
+        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2} and (at most one row
+        per expert) GEMV tiles; then one coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M,
+        num_warps, num_stages, SWAP_AB and PERSISTENT, keeping each field's best before the next (--fields: only
+        those, from the config in use). A config replaces the one in use only if it is faster and its output
+        matches the one in use within the scheme's tolerance."""
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
@@ -341,7 +344,7 @@ class Bench:
                                              t, static_scale=w.a2_scale),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
-                    seeds = self.seeds(M, model, w, sname)
+                    seeds = self.seeds(M, model, w, sname, only_in_use=bool(self.args.fields))
                     start = self.pick(run, list(seeds))
                     if start is None:
                         self.log(f"not tuned {name} {sname} M={M}: no seed config ran (see the skips above)")
@@ -358,11 +361,13 @@ class Bench:
                              f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
 
-    def seeds(self, M: int, model: Model, w, sname: str) -> dict:
+    def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
         seeds and (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
+        if only_in_use:
+            return {cur: "in use"}
         named = [(cur, "in use"), (default_config(num_tokens=M, num_experts=model.E, top_k=model.k, scheme=scheme),
                                    "heuristic")]
         named += [(MoEConfig(bm, cur.gemm1, cur.gemm2), f"BLOCK_M {bm}") for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2)
@@ -386,7 +391,7 @@ class Bench:
         """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
         for which in ("gemm1", "gemm2"):
-            for field in ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB"):
+            for field in self.args.fields or self.FIELDS:
                 g = getattr(best[1], which)
                 values = self.field_values(field, getattr(g, field), m_blocks, gemv=best[1].BLOCK_M == 1)
                 cfgs = [replace(best[1], **{which: replace(g, **{field: v})}) for v in values]
@@ -406,6 +411,8 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
+        if field == "PERSISTENT":
+            return [] if gemv else [v for v in (0, 1, 2) if v != cur]
         return [not cur]  # SWAP_AB
 
     def valid(self, cfgs, scheme: Scheme) -> list:
@@ -614,6 +621,8 @@ def main(argv=None):
     p.add_argument("--peer-configs", metavar="VLLM_DIR",
                    help="tune: also seed with vLLM 0.33's config at each point (its fused_moe.py + configs/, as "
                         "bench/get_vllm_triton.sh puts them in carry/vllm033), translated to our tiles")
+    p.add_argument("--fields", nargs="+", choices=Bench.FIELDS,
+                   help="tune: sweep only these GemmConfig fields, from the config in use (no other seeds)")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":

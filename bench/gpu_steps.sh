@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 11's device runs (each call <= 600 s): the steps named on the command line, in order.
 #   tests     the GPU kernel tests (tests_tiles: only the tile-variant ones)
-#   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py)
+#   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py; HARNESS_ARGS
+#             adds its options, e.g. --per-gemm, HARNESS_SECONDS caps it)
 #   tune      tune the points the last side-by-side found weakest (seeded with vLLM's configs; installs the configs)
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
-#   persist   try PERSISTENT (programs looping over tiles) at M = 1024-16384 on every model
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four) and TUNE_SECONDS per model (default 140) fit it into several calls
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -34,12 +34,6 @@ decode() {
   tune_one 100 deepseek-v3 --schemes bf16 fp8_tensor fp8_block --ms 1 16
   tune_one 100 gpt-oss-120b --schemes bf16 fp8_tensor mxfp4 --ms 1 16
 }
-persist() {  # PERSISTENT (0, 1, 2 programs per SM) for each GEMM from the config in use, at large M
-  local m
-  for m in qwen3-30b-a3b deepseek-v3 gpt-oss-120b mixtral-8x7b; do
-    tune_one "${PERSIST_SECONDS:-75}" "$m" --schemes bf16 fp8_tensor fp8_block --ms 4096 16384 1024 --fields PERSISTENT
-  done
-}
 tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
@@ -47,7 +41,8 @@ tune_all() {
   done
 }
 harness() {
-  timeout 175 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --out "$out/vllm_triton" > "$out/vllm_triton.log" 2>&1
+  timeout "${HARNESS_SECONDS:-175}" python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --out "$out/vllm_triton" \
+    ${HARNESS_ARGS:-} > "$out/vllm_triton.log" 2>&1
 }
 recheck() {
   timeout 60 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --models mixtral-8x7b \

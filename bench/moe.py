@@ -307,7 +307,7 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "PERSISTENT")
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -321,7 +321,7 @@ class Bench:
     def tune(self):
         """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2} and (at most one row
         per expert) GEMV tiles; then one coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M,
-        num_warps, num_stages, SWAP_AB and PERSISTENT, keeping each field's best before the next (--fields: only
+        num_warps, num_stages and SWAP_AB, keeping each field's best before the next (--fields: only
         those, from the config in use). A config replaces the one in use only if it is faster and its output
         matches the one in use within the scheme's tolerance."""
         for name, model in self.models.items():
@@ -411,8 +411,6 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
-        if field == "PERSISTENT":
-            return [] if gemv else [v for v in (0, 1, 2) if v != cur]
         return [not cur]  # SWAP_AB
 
     def valid(self, cfgs, scheme: Scheme) -> list:

@@ -3,7 +3,7 @@
 Files live in `kernels/configs/` and are named
     E={E},N={I},device_name={torch device name, spaces -> _},dtype={dtype key}.json
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
-    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB", "PERSISTENT"]},
+    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB"]},
      "gemm2": {...}}
 and the entry with the nearest M is used. BLOCK_M is shared because it sets the alignment
 padding both GEMMs read; everything else is tuned per GEMM (their K and N differ).
@@ -33,7 +33,6 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     SWAP_AB: bool = False  # weights on the MMA's M side, tokens on its N side (fused_moe._dot)
-    PERSISTENT: int = 0  # programs per SM, each looping over tiles; 0: one program per tile (fused_moe.py)
 
 
 @dataclass(frozen=True)
@@ -144,14 +143,8 @@ def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens:
 
 
 def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
-    """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group;
-    the batched kernels have MMA tiles only (no GEMV rows) and one program per tile."""
+    """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group."""
     check_config(cfg, scheme)
-    if cfg.BLOCK_M < 16:
-        raise ValueError(f"BLOCK_M={cfg.BLOCK_M}: the batched kernels need BLOCK_M >= 16")
-    for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
-        if g.PERSISTENT:
-            raise ValueError(f"{name}: PERSISTENT={g.PERSISTENT}: the batched kernels launch one program per tile")
     if scheme.act_granularity == Granularity.group128 and 128 % cfg.gemm1.BLOCK_N:
         raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 
@@ -165,7 +158,5 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MXFP4 weights")
         if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K != MX_GROUP:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be {MX_GROUP} for MXFP8 (one e8m0 group per K step)")
-        if g.PERSISTENT < 0:
-            raise ValueError(f"{name}: PERSISTENT={g.PERSISTENT} must be >= 0 (programs per SM; 0: one per tile)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

@@ -10,11 +10,6 @@ and (2n, 2n + 1) when interleaved (gpt-oss). With GATED False (the `*_no_mul` ac
 rows) the tile holds BLOCK_N rows and it writes act(h).
 
 SWAP_AB (a config field): the weight tile is the MMA's M side and the tokens its N side (`_dot`).
-BLOCK_M 1: a GEMV on CUDA cores (`_row_dot`), for decode steps with about one row per expert.
-PERSISTENT (a config field, programs per SM): the launch has that many programs per SM and each loops over
-the tiles with its K loops flattened into one pipelined loop, so one tile's loads start during the last
-one's K steps and epilogue; 0 launches one program per tile (the loop then runs once). Either way the tiles
-are counted on the device from the rows aligned, so no program reads past them.
 
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
@@ -61,8 +56,9 @@ MX_GROUP = tl.constexpr(mx.MX_GROUP)
 
 
 @triton.jit
-def _tile_coords(pid, num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped ("swizzled") tile order: GROUP_M row blocks share each column sweep, for L2 reuse."""
+def _tile_coords(num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ("swizzled") program order: GROUP_M row blocks share each column sweep, for L2 reuse."""
+    pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n_blocks
     first_m = (pid // per_group) * GROUP_M
@@ -380,108 +376,101 @@ def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, N, K, top_k, gate_row_step, up_row_offset,
+        num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SWAP_AB: tl.constexpr, PERSISTENT: tl.constexpr,
-        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
-    Each program takes the tiles pid, pid + programs, ..., of the rows aligned (see PERSISTENT at the top).
     """
-    num_m_blocks = tl.load(num_post_ptr) // BLOCK_M
-    for tile in tl.range(tl.program_id(0), num_m_blocks * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                         flatten=PERSISTENT):
-        pid_m, pid_n = _tile_coords(tile, num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-        slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
-        a_rows = slot // top_k
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        gate_rows = cols * gate_row_step
-        up_rows = gate_rows + up_row_offset
-        # Gated, one weight tile holds the BLOCK_N gate rows then the BLOCK_N up rows, so each K step is one MMA
-        # of twice the width: two half-width MMAs re-read the A tile from shared memory. On the H100 the GEMMs ran
-        # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
-        W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
-        j = tl.arange(0, W_COLS)
-        w_cols = pid_n * BLOCK_N + j % BLOCK_N
-        w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
-        w_ok = w_cols < N
-        w_e = w_ptr + e * stride_we
-        ws_e = w_scale_ptr + e * stride_wse
-        acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, stride_wn,
-                          stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, W_COLS, BLOCK_K,
-                          SWAP_AB)
-        acc = _acc_rows_first(acc, SWAP_AB)
-        if GATED:
-            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        else:
-            acc_g = acc
-        b_e = bias_ptr + e * stride_be
-        lb_e = lora_b_ptr + e * stride_lbe
-        gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,
-                               lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
-                               HAS_LORA, LORA_R)
-        if GATED:
-            up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
-                                 lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
-                                 HAS_LORA, LORA_R)
-            out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION)
-        else:
-            out = _activation(gate, ACTIVATION)
-        tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    a_rows = slot // top_k
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    gate_rows = cols * gate_row_step
+    up_rows = gate_rows + up_row_offset
+    # Gated, one weight tile holds the BLOCK_N gate rows then the BLOCK_N up rows, so each K step is one MMA
+    # of twice the width: two half-width MMAs re-read the A tile from shared memory. On the H100 the GEMMs ran
+    # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
+    W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    j = tl.arange(0, W_COLS)
+    w_cols = pid_n * BLOCK_N + j % BLOCK_N
+    w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
+    w_ok = w_cols < N
+    w_e = w_ptr + e * stride_we
+    ws_e = w_scale_ptr + e * stride_wse
+    acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, stride_wn,
+                      stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, W_COLS, BLOCK_K,
+                      SWAP_AB)
+    acc = _acc_rows_first(acc, SWAP_AB)
+    if GATED:
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = acc
+    b_e = bias_ptr + e * stride_be
+    lb_e = lora_b_ptr + e * stride_lbe
+    gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,
+                           lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
+                           HAS_LORA, LORA_R)
+    if GATED:
+        up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
+                             lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
+                             HAS_LORA, LORA_R)
+        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION)
+    else:
+        out = _activation(gate, ACTIVATION)
+    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def gemm2_weighted_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, N, K,
+        num_slots, num_m_blocks, N, K,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SWAP_AB: tl.constexpr, PERSISTENT: tl.constexpr,
-        lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
-    num_m_blocks = tl.load(num_post_ptr) // BLOCK_M
-    for tile in tl.range(tl.program_id(0), num_m_blocks * tl.cdiv(N, BLOCK_N), tl.num_programs(0),
-                         flatten=PERSISTENT):
-        pid_m, pid_n = _tile_coords(tile, num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-        slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
-        e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w_e = w_ptr + e * stride_we
-        ws_e = w_scale_ptr + e * stride_wse
-        acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
-                          k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
-        out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
-                              A_SCALE, W_SCALE)
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_LORA:
-            out += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lora_b_ptr + e * stride_lbe, cols, col_ok,
-                               stride_lbn, lora_rank, LORA_R)
-        out = out * tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)[:, None]
-        tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_e = w_ptr + e * stride_we
+    ws_e = w_scale_ptr + e * stride_wse
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
+                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+    out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
+                          A_SCALE, W_SCALE)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        out += _lora_delta(lora_shrink_ptr, stride_lsm, slot, row_ok, lora_b_ptr + e * stride_lbe, cols, col_ok,
+                           stride_lbn, lora_rank, LORA_R)
+    out = out * tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

@@ -21,7 +21,7 @@ from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
-from .device import device_name, sm_count
+from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 
@@ -56,12 +56,6 @@ def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
 def _launch_kwargs(g: GemmConfig) -> dict:
     return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
                 num_stages=g.num_stages)
-
-
-def _grid(g: GemmConfig, align: Alignment, n: int, device: torch.device) -> tuple[int]:
-    """One program per tile the alignment could hold, or with PERSISTENT that many programs per SM at most."""
-    tiles = align.num_blocks * triton.cdiv(n, g.BLOCK_N)
-    return (min(tiles, g.PERSISTENT * sm_count(device)) if g.PERSISTENT else tiles,)
 
 
 def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots_per_row: int, num_slots: int,
@@ -161,15 +155,15 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
-    gemm1_gated_kernel[_grid(g, align, I, x_q.device)](
+    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g.BLOCK_N),)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
         weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
         align.sorted_ids, align.expert_ids, align.num_post_padded,
-        out.shape[0], I, H, top_k, 2 if interleaved else 1, 1 if interleaved else I,
+        out.shape[0], align.num_blocks, I, H, top_k, 2 if interleaved else 1, 1 if interleaved else I,
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **_scheme_flags(weights.scheme), **_launch_kwargs(g), PERSISTENT=g.PERSISTENT, GATED=weights.gated, **(lora or _no_lora(dummy)),
+        **_scheme_flags(weights.scheme), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
 
 
@@ -185,12 +179,12 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     s_e, s_n = _scale_strides(weights.w2_scale)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
-    gemm2_weighted_kernel[_grid(g, align, H, inter_q.device)](
+    gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
         weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
         align.sorted_ids, align.expert_ids, align.num_post_padded,
-        out.shape[0], H, I,
+        out.shape[0], align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights.scheme), **_launch_kwargs(g),
-        PERSISTENT=g.PERSISTENT, **(lora or _no_lora(dummy)))
+        **(lora or _no_lora(dummy)))

@@ -68,10 +68,8 @@ def run_with_config(monkeypatch, change) -> None:
 
 # SWAP_AB: the weights on the MMA's M side (transposed loads, scale broadcasts, the accumulator's transpose
 # before the epilogue). BLOCK_M 1: the GEMV path, on CUDA cores (fused_moe._row_dot), in both orientations.
-# PERSISTENT: programs that loop over several tiles (the interpreter counts 1 SM, so 2 programs loop over all).
 TILE_VARIANTS = {
     "swapped": lambda cfg: _both_gemms(cfg, SWAP_AB=True),
-    "persistent": lambda cfg: _both_gemms(cfg, PERSISTENT=2),
     "one_row": lambda cfg: dataclasses.replace(cfg, BLOCK_M=1),
     "one_row_swapped": lambda cfg: dataclasses.replace(_both_gemms(cfg, SWAP_AB=True), BLOCK_M=1),
 }

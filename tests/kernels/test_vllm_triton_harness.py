@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,16 @@ def test_vllm_imports_are_refused(vt):
     with pytest.raises(ImportError, match=r"does not load vllm modules \(vllm._custom_ops\)"):
         guarded("vllm._custom_ops", None, None, ("moe_sum",), 0)
     assert guarded("vllm.model_executor.layers.fused_moe", None, None, ("get_config",), 0).get_config() is None
+
+
+def test_rounds_alternate_the_sides_and_keep_each_fastest(vt):
+    """With clock drift, the side timed first has an edge; rounds alternate the order and keep each side's minimum."""
+    order = []
+    drift = iter([10.0, 20.0, 9.0, 8.0, 7.0, 30.0])  # the times the fake clock hands out, in call order
+    sbs = object.__new__(vt.SideBySide)
+    sbs.rounds, sbs.per_gemm = 3, False
+    sbs.bench = types.SimpleNamespace(time_us=lambda fn, graph: (fn(), next(drift))[1])
+    side = {who: vt.Side(gemm1=lambda who=who: order.append(who), gemm2=lambda: None, out=None, gemm1_out=None,
+                         config={}) for who in ("vllm", "ours")}
+    assert sbs.timings(side["vllm"], side["ours"]) == {"vllm_us": 7.0, "ours_us": 9.0, "rounds": 3}
+    assert order == ["vllm", "ours", "ours", "vllm", "vllm", "ours"]

@@ -8,7 +8,8 @@
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
-#             (default all four) and TUNE_SECONDS per model (default 140) fit it into several calls
+#             (default all four), TUNE_SECONDS per model (default 140) and TUNE_MS (default the whole M grid) fit it
+#             into several calls
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
@@ -37,7 +38,7 @@ decode() {
 tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
-    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 --ms 1 16 64 256 1024 4096 16384
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384}
   done
 }
 harness() {

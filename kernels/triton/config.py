@@ -92,14 +92,24 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
     return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
+# MXFP4 decode (at most one row per expert): GEMV rows, narrow N tiles, 512-deep K steps. The tuner reached these
+# tiles on the H100 and the H200 alike for gpt-oss-120b at M=1: 53.3 and 50.4 us, against 76.9 us for the best
+# 16-row MMA tiles on the H100 (bench/results/gemv, bench/results/tune_h200).
+_MXFP4_GEMV_GEMM1 = GemmConfig(BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
+_MXFP4_GEMV_GEMM2 = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
+
+
 def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
     """MX defaults, from sweeps on gpt-oss-120b shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
 
     MXFP4 is bound by its in-register decode, and every BLOCK_M block of an expert decodes that
     expert's weights again, so BLOCK_M is the smallest power of two that holds the mean rows per
     expert (one block, one decode): e.g. at M=2048 one 64-row block ran 1.36x faster than a 128-row
-    one and 2x faster than two 32-row ones. MXFP8 steps one 32-group per K step (see fused_moe.py).
+    one and 2x faster than two 32-row ones; at most one row per expert, GEMV rows (BLOCK_M 1).
+    MXFP8 steps one 32-group per K step (see fused_moe.py).
     """
+    if fp4 and rows_per_expert <= 1:
+        return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV_GEMM1, gemm2=_MXFP4_GEMV_GEMM2)
     if fp4:
         block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
         g = {16: GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),

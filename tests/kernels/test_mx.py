@@ -24,6 +24,8 @@ from moerules.kernels import KernelBuildError, build_layer, make_random_weights
 from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, dequantize_mx, e2m1_decode, e2m1_encode,
                                  e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
+from moerules.kernels.scheme import Scheme
+from moerules.kernels.triton.config import default_config
 from moerules.quant import Granularity as G
 
 MXFP4 = "mxfp4_w4a16/group32"
@@ -359,3 +361,11 @@ def test_triton_mx_gpu(cell, dtype, poison_empty):
         x, ids, w = random_inputs(layer, M, k, device="cuda")
         bound = tol(cell) if dtype == Dtype.bf16 else (2e-3 if cell == MXFP4 else 1e-2)
         assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < bound
+
+
+@pytest.mark.parametrize("M,block_m", [(1, 1), (32, 1), (33, 16), (2048, 64)])
+def test_mxfp4_default_block_follows_the_rows_per_expert(M, block_m):
+    """gpt-oss-120b (E=128, top-4) without a tuned file: at most one row per expert runs GEMV rows, more rows
+    the smallest MMA block that holds their mean (each block decodes the expert's weights once)."""
+    scheme = Scheme.from_quant(quant_of("mxfp4_w4a16/group32"))
+    assert default_config(num_tokens=M, num_experts=128, top_k=4, scheme=scheme).BLOCK_M == block_m

@@ -38,7 +38,8 @@ decode() {
 tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
-    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384}
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 \
+      --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384}
   done
 }
 harness() {
@@ -50,8 +51,8 @@ recheck() {
     --out "$out/vllm_triton_recheck" > "$out/vllm_triton_recheck.log" 2>&1
 }
 tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one-row tiles, LoRA, edge shapes)
-  timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py -k "variants or one_row or edge" \
-    -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
+  timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py \
+    -k "variants or one_row or edge" -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 }
 tests() {
   timeout 110 python3 -m pytest tests/kernels -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"

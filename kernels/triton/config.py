@@ -153,8 +153,11 @@ def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens:
 
 
 def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
-    """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group."""
+    """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group;
+    the batched kernels are tested with MMA tiles only (no GEMV rows)."""
     check_config(cfg, scheme)
+    if cfg.BLOCK_M < 16:
+        raise ValueError(f"BLOCK_M={cfg.BLOCK_M}: the batched kernels take BLOCK_M >= 16")
     if scheme.act_granularity == Granularity.group128 and 128 % cfg.gemm1.BLOCK_N:
         raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 

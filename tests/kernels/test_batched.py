@@ -337,6 +337,8 @@ def test_batched_config_heuristic():
     cfg = batched_config(num_tokens=4096, num_experts=8, top_k=2, max_tokens=4096, scheme=scheme)
     with pytest.raises(ValueError, match="BLOCK_N=256 must divide 128"):
         check_batched_config(dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, BLOCK_N=256)), scheme)
+    with pytest.raises(ValueError, match="BLOCK_M=1: the batched kernels take BLOCK_M >= 16"):
+        check_batched_config(dataclasses.replace(cfg, BLOCK_M=1), scheme)  # GEMV rows: the fused kernels only
 
 
 # ---- GPU only: bf16 against the standard Triton experts, and the CUDA re-quantisation pass ----------------

@@ -6,7 +6,8 @@ Files live in `kernels/configs/` and are named
     {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB"]},
      "gemm2": {...}}
 and the entry with the nearest M is used. BLOCK_M is shared because it sets the alignment
-padding both GEMMs read; everything else is tuned per GEMM (their K and N differ).
+padding both GEMMs read (1: one slot per block, multiplied on CUDA cores, for decode); everything
+else is tuned per GEMM (their K and N differ).
 """
 
 from __future__ import annotations

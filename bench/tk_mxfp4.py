@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 import types
@@ -60,7 +59,7 @@ import triton
 from moe import MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, Model, rel_err, tolerance
 from moerules.activation import Activation, SwigluParams
 from moerules.kernels.scheme import Scheme
-from vllm_triton import Alignments, SideBySide
+from vllm_triton import Alignments, fastest_alternating, geomeans_by, our_gemms
 
 REPO = Path(__file__).resolve().parent.parent
 CARRIED = REPO / "carry" / "triton_kernels"
@@ -271,14 +270,11 @@ def theirs(tk, moe: TkMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
 
 
 def ours(layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Contender:
-    """The layer call bench/moe.py times, and its GEMMs as bench/vllm_triton.py launches them (its `our_gemms`
-    reads only the sorting it is handed: `stand_ins.alignments`)."""
+    """The layer call bench/moe.py times, and its GEMMs as bench/vllm_triton.py launches them (`our_gemms`)."""
     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=weights, defer_input_quant=False,
                                           a13_scale=layer.weights.a13_scale)
     x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=layer.weights)
-    sorting = Alignments(ids, layer.weights.num_experts)
-    side = SideBySide.our_gemms(types.SimpleNamespace(stand_ins=types.SimpleNamespace(alignments=sorting)),
-                                layer, x_q, a_scale, ids, weights)
+    side = our_gemms(layer, x_q, a_scale, ids, weights, alignments=Alignments(ids, layer.weights.num_experts))
 
     def forward():
         return layer(x, topk_ids=ids, topk_weights=weights)
@@ -340,23 +336,14 @@ class TkSideBySide:
                 "ok": out_err <= tol and gemm1_err <= tol}  # False on NaN
 
     def timings(self, tk_side: Contender, our_side: Contender) -> dict:
-        """Each side's fastest of `rounds`, the sides alternating which goes first (the H100's clock drifts at large
-        M between timings, favouring a side always timed first: bench/vllm_triton.py's --rounds)."""
-        times: dict[str, list[float]] = {}
-        for r in range(self.rounds):
-            for who, side in (("tk", tk_side), ("ours", our_side))[::1 if r % 2 == 0 else -1]:
-                for part in PARTS:
-                    times.setdefault(f"{who}_{part}_us", []).append(self.bench.time_us(getattr(side, part), graph=True))
-        return {key: min(v) for key, v in times.items()} | {"rounds": self.rounds}
+        """Each part of each side, `fastest_alternating` over --rounds (bench/vllm_triton.py)."""
+        sides = {who: {f"_{part}": getattr(side, part) for part in PARTS}
+                 for who, side in (("tk", tk_side), ("ours", our_side))}
+        return fastest_alternating(self.bench.time_us, self.rounds, sides) | {"rounds": self.rounds}
 
     def geomeans(self, column: str) -> dict:
         """Per model and overall, over the points that agree."""
-        values: dict[str, list[float]] = {name: [] for name in self.bench.models}
-        for r in self.rows:
-            if r["ok"]:
-                values[r["model"]].append(r[column])
-        values["overall"] = [v for vs in values.values() for v in vs]
-        return {key: math.exp(sum(map(math.log, vs)) / len(vs)) for key, vs in values.items() if vs}
+        return geomeans_by(self.rows, "model", self.bench.models, column)
 
     def table(self) -> str:
         lines = ["| model | M | triton_kernels µs | ours µs | tk / ours | GEMMs: tk µs | ours µs | tk / ours "

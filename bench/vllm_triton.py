@@ -277,6 +277,62 @@ class Side:
         self.gemm2()
 
 
+def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
+    """Our GEMM1 and GEMM2 launches as launch.fused_moe makes them, with fused_moe's own output to check;
+    `alignments` gives the sorting for our BLOCK_M."""
+    w, (M, k) = layer.weights, ids.shape
+    act, swiglu = layer.experts.activation, layer.experts.swiglu
+    cfg = launch.config_for(w, num_tokens=M, top_k=k, device=x_q.device)
+    align = alignments(cfg.BLOCK_M)
+    out_dtype = TORCH_DTYPE[w.in_dtype]
+    inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
+    out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)
+
+    def quantize(t):
+        return layer.experts.quantize_gemm_input(t, static_scale=w.a2_scale)
+
+    def gemm1():
+        launch.gemm1(x_q, a_scale, weights=w, align=align, cfg=cfg, activation=act, out=inter, top_k=k,
+                     swiglu=swiglu)
+    gemm1()
+    inter_q, inter_scale = quantize(inter)
+    # GEMM2 reads a buffer GEMM1 does not write, as vLLM's GEMM2 here: both start from a flushed L2.
+    inter_q = inter_q.clone() if inter_q is inter else inter_q
+
+    def gemm2():
+        launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
+    full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
+                            quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
+    return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),
+                gemm2_input=(inter_q, inter_scale))
+
+
+def fastest_alternating(time_us: Callable, rounds: int, sides: dict[str, dict[str, Callable]]) -> dict[str, float]:
+    """`{side}{part}_us`: the fastest of `rounds` timings of each side's parts, the sides alternating which goes first.
+
+    At M >= 4096 the H100's clock drifts between timings: one side timed first read up to 15% apart from
+    itself timed later in the same run, so single timings in a fixed order favour whichever side goes first.
+    """
+    times: dict[str, list[float]] = {}
+    order = list(sides.items())
+    for r in range(rounds):
+        for who, parts in order if r % 2 == 0 else order[::-1]:
+            for part, fn in parts.items():
+                times.setdefault(f"{who}{part}_us", []).append(time_us(fn, graph=True))
+    return {key: min(v) for key, v in times.items()}
+
+
+def geomeans_by(rows: list[dict], group: str, groups, column: str) -> dict[str, float]:
+    """The geomean of `column` per value of `group` (in the order of `groups`) and overall, over the rows that
+    agree (`ok`)."""
+    values: dict[str, list[float]] = {g: [] for g in groups}
+    for r in rows:
+        if r["ok"]:
+            values[r[group]].append(r[column])
+    values["overall"] = [x for v in values.values() for x in v]
+    return {g: math.exp(sum(map(math.log, v)) / len(v)) for g, v in values.items() if v}
+
+
 class SideBySide:
     """The run: every model x scheme x M of bench/moe.py's grid (through its Bench: weights, layers, inputs, timing)."""
 
@@ -321,18 +377,11 @@ class SideBySide:
         return row
 
     def timings(self, vllm: Side, ours: Side) -> dict:
-        """The fastest of `rounds` timings per side and GEMM set, the sides alternating which goes first.
-
-        At M >= 4096 the H100's clock drifts between timings: one side timed first read up to 15% apart from
-        itself timed later in the same run, so single timings in a fixed order favour whichever side goes first.
-        """
-        times: dict[str, list[float]] = {}
-        for r in range(self.rounds):
-            for side, who in ((vllm, "vllm"), (ours, "ours"))[::1 if r % 2 == 0 else -1]:
-                fns = {"": side.launches} | ({"_gemm1": side.gemm1, "_gemm2": side.gemm2} if self.per_gemm else {})
-                for part, fn in fns.items():
-                    times.setdefault(f"{who}{part}_us", []).append(self.bench.time_us(fn, graph=True))
-        return {k: min(v) for k, v in times.items()} | ({"rounds": self.rounds} if self.rounds > 1 else {})
+        """Both GEMMs (--per-gemm: also each alone) of each side, `fastest_alternating` over --rounds."""
+        def parts(side: Side) -> dict:
+            return {"": side.launches} | ({"_gemm1": side.gemm1, "_gemm2": side.gemm2} if self.per_gemm else {})
+        times = fastest_alternating(self.bench.time_us, self.rounds, {"vllm": parts(vllm), "ours": parts(ours)})
+        return times | ({"rounds": self.rounds} if self.rounds > 1 else {})
 
     def compare(self, name: str, sname: str, M: int):
         """(row with both checks, vLLM's side, ours) at one point."""
@@ -344,7 +393,7 @@ class SideBySide:
                                               a13_scale=w.a13_scale)
         x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
         self.stand_ins.alignments = Alignments(ids, w.num_experts)
-        ours = self.our_gemms(layer, x_q, a_scale, ids, tw)
+        ours = our_gemms(layer, x_q, a_scale, ids, tw, alignments=self.stand_ins.alignments)
         vllm = self.vllm_gemms(layer, sname, x_q, a_scale, ids, tw, gemm2_input=ours.gemm2_input)
         tol = tolerance(w.scheme.cell)
         gemm1_err, out_err = rel_err(vllm.gemm1_out, ours.gemm1_out), rel_err(vllm.out, ours.out)
@@ -391,42 +440,10 @@ class SideBySide:
         return {"launched": dict(launched, naive_block_assignment=naive),
                 "source": v.get_config_file_name(E, N, dtype, block_shape) if found else "get_default_config"}
 
-    def our_gemms(self, layer, x_q, a_scale, ids, tw) -> Side:
-        """Our GEMM1 and GEMM2 launches as launch.fused_moe makes them, with fused_moe's own output to check."""
-        w, (M, k) = layer.weights, ids.shape
-        act, swiglu = layer.experts.activation, layer.experts.swiglu
-        cfg = launch.config_for(w, num_tokens=M, top_k=k, device=x_q.device)
-        align = self.stand_ins.alignments(cfg.BLOCK_M)
-        out_dtype = TORCH_DTYPE[w.in_dtype]
-        inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
-        out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)
-
-        def quantize(t):
-            return layer.experts.quantize_gemm_input(t, static_scale=w.a2_scale)
-
-        def gemm1():
-            launch.gemm1(x_q, a_scale, weights=w, align=align, cfg=cfg, activation=act, out=inter, top_k=k,
-                         swiglu=swiglu)
-        gemm1()
-        inter_q, inter_scale = quantize(inter)
-        # GEMM2 reads a buffer GEMM1 does not write, as vLLM's GEMM2 here: both start from a flushed L2.
-        inter_q = inter_q.clone() if inter_q is inter else inter_q
-
-        def gemm2():
-            launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
-        full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
-                                quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
-        return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),
-                    gemm2_input=(inter_q, inter_scale))
 
     def geomeans(self, column: str = "ratio") -> dict:
         """Per scheme and overall, over the points that agree; of vLLM / ours, or of another column."""
-        ratios: dict[str, list[float]] = {s: [] for s in SCHEMES}
-        for r in self.rows:
-            if r["ok"]:
-                ratios[r["scheme"]].append(r[column])
-        ratios["overall"] = [x for v in ratios.values() for x in v]
-        return {s: math.exp(sum(map(math.log, v)) / len(v)) for s, v in ratios.items() if v}
+        return geomeans_by(self.rows, "scheme", SCHEMES, column)
 
     def table(self) -> str:
         lines = ["| model | scheme | M | vLLM µs | ours µs | vLLM / ours | vLLM / floor "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from pathlib import Path
 
 import torch
 
@@ -73,3 +75,9 @@ TILE_VARIANTS = {
     "one_row": lambda cfg: dataclasses.replace(cfg, BLOCK_M=1),
     "one_row_swapped": lambda cfg: dataclasses.replace(_both_gemms(cfg, SWAP_AB=True), BLOCK_M=1),
 }
+
+
+def bench_module(monkeypatch, name: str):
+    """A script of bench/ (vllm_triton, tk_mxfp4) imported as a module, as the scripts import each other."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    return importlib.import_module(name)

@@ -14,7 +14,6 @@ skip only when it is absent.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import types
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import bench_module
 
 from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels import make_random_weights
@@ -39,8 +39,7 @@ needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
 
 @pytest.fixture
 def tkm(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    return importlib.import_module("tk_mxfp4")
+    return bench_module(monkeypatch, "tk_mxfp4")
 
 
 @pytest.fixture

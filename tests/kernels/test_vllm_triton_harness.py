@@ -9,24 +9,20 @@ carry/vllm033); the tests skip only when there is none.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import bench_module
 
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def vt(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    return importlib.import_module("vllm_triton")
+    return bench_module(monkeypatch, "vllm_triton")
 
 
 @pytest.fixture

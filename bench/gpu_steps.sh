@@ -10,6 +10,10 @@
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four), TUNE_SECONDS per model (default 140) and TUNE_MS (default the whole M grid) fit it
 #             into several calls
+#   tests_mx  the MX kernel tests alone (the bf16 MXFP4 decode's PTX runs only here)
+#   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
+#             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
+#   tune_mx   tune MXFP4 on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64 256), TUNE_SECONDS each
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
@@ -50,6 +54,21 @@ recheck() {
   timeout 60 python3 bench/vllm_triton.py --vllm-dir carry/vllm033 --models mixtral-8x7b \
     --out "$out/vllm_triton_recheck" > "$out/vllm_triton_recheck.log" 2>&1
 }
+tune_mx() {
+  local m
+  for m in ${TUNE_MX_MODELS:-gpt-oss-120b gpt-oss-20b}; do
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes mxfp4 --ms ${TUNE_MS:-16 64 256}
+  done
+}
+tk() {
+  local name=tk${TK_NAME:-}
+  timeout "${TK_SECONDS:-240}" python3 bench/tk_mxfp4.py --tk-dir carry/triton_kernels --rounds 2 --out "$out/$name" \
+    ${TK_ARGS:-} > "$out/$name.log" 2>&1
+}
+tests_mx() {
+  timeout 120 python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py -q -n 8 -p no:benchmark \
+    -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
+}
 tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one-row tiles, LoRA, edge shapes)
   timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py \
     -k "variants or one_row or edge" -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
@@ -69,4 +88,4 @@ if [ -d "$out/tune" ]; then
   cp -r kernels/configs "$out/tune/configs" && tar -czf "$out/tune.tgz" -C "$out" tune tune.log && rm -rf "$out/tune" "$out/tune.log"
   tar -xzOf "$out/tune.tgz" tune.log | grep "^tuned" | cut -c1-90
 fi
-tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log 2>/dev/null
+tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log "$out"/tk*.log 2>/dev/null

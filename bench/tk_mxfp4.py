@@ -56,8 +56,8 @@ from typing import Any, Callable
 import torch
 import triton
 
-from moe import MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, Model, rel_err, tolerance
-from moerules.activation import Activation, SwigluParams
+from moe import EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, rel_err, tolerance
+from moerules.activation import SwigluParams
 from moerules.kernels.scheme import Scheme
 from vllm_triton import Alignments, fastest_alternating, geomeans_by, our_gemms
 
@@ -65,9 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 CARRIED = REPO / "carry" / "triton_kernels"
 GET_SCRIPT = "bash bench/get_triton_kernels.sh"
 SCHEME = "mxfp4"
-# gpt-oss-20b lives here, not in moe.MODELS: there it would join every default --models run of bench/moe.py.
-TK_MODELS = {"gpt-oss-120b": MODELS["gpt-oss-120b"],
-             "gpt-oss-20b": Model(32, 4, 2880, 2880, Activation.swigluoai, True)}
+TK_MODELS = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": EXTRA_MODELS["gpt-oss-20b"]}
 # What a GPU run needs from the package, module by module: the "3.6" API of vLLM's get_triton_kernels_version
 # (utils/import_utils.py:571-585: matmul_ogs present, tensor.SparseMatrix present).
 TK_API = {"matmul_ogs": ("matmul_ogs", "PrecisionConfig", "FlexCtx", "FusedActivation", "FnSpecs", "RoutingData",

@@ -34,6 +34,9 @@ import torch
 MX_GROUP = 32
 E8M0_BIAS = 127
 E8M0_MIN, E8M0_MAX = 1, 254
+# The largest scale byte whose 2^(s - 127) times 2^126 is a finite bf16 (exponent at most 127): a scale of 2^1,
+# reached by groups with amax below 16. Up to it the Triton MXFP4 decode folds its 2^126 into the scale.
+E8M0_FOLD_MAX = 128
 E2M1_EMAX = 2
 E4M3_EMAX = 8
 E2M1_MAX = 6.0

@@ -16,7 +16,7 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,7 +26,7 @@ from moerules.errors import KernelInputError
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
 from .lora import LoRAWeights
-from .mx import E8M0_BIAS, MX_GROUP
+from .mx import E8M0_BIAS, E8M0_FOLD_MAX, MX_GROUP
 from .qrange import FP8_MAX
 from .quantize import quantize_weight
 from .scheme import QUANT_BLOCK, TORCH_DTYPE, Scheme
@@ -61,6 +61,10 @@ class MoEWeights:
     # expert-parallel group compare it at build, so shards of different weights never run together.
     origin: Optional[str] = None
     correction_bias: Optional[torch.Tensor] = None
+    # MXFP4 weights whose scales are all at most mx.E8M0_FOLD_MAX (every real checkpoint's): the Triton decode
+    # then takes one multiply per weight pair instead of two. Set once here, where the scales arrive (one
+    # reduction per scale tensor); padding only adds scale 1 (E8M0_BIAS), which keeps it true.
+    fp4_scales_fold: bool = field(init=False, default=False)
 
     def __post_init__(self):
         E, rows, _ = self.w13.shape
@@ -75,6 +79,8 @@ class MoEWeights:
             raise ValueError(f"scheme {self.scheme.cell} and the presence of weight scales disagree")
         self._check_layout()
         self.check_lora()
+        self.fp4_scales_fold = self.scheme.k_pack == 2 and all(
+            s.numel() == 0 or int(s.max()) <= E8M0_FOLD_MAX for s in (self.w13_scale, self.w2_scale))
 
     def _check_layout(self) -> None:
         """Every tensor on w13's device with a unit-stride last dimension: the kernels step over the other

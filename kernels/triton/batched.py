@@ -175,7 +175,7 @@ def batched_gemm2_kernel(
 
 
 def _kernel_flags(weights: MoEWeights) -> dict:
-    flags = _scheme_flags(weights.scheme)
+    flags = _scheme_flags(weights)
     flags.pop("ACC_INT")  # no INT8 here (refused at build): accumulators are fp32
     flags.pop("W_FP4")    # no MX here (refused at build); compiled Triton rejects unknown keywords
     return flags

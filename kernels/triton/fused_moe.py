@@ -22,7 +22,9 @@ Scale codes (tl.constexpr):
            4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
   W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
            4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
-  W_FP4:   the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4.
+  W_FP4:   0 no; 1 the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4; 2 the same
+           with every e8m0 scale at most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode
+           then folds its fixed 2^126 into the scale.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
@@ -175,32 +177,48 @@ def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_
 # two halves of a register (prmt), then each nibble is moved into bf16 place with shifts and masks:
 # sign -> bit 15, exponent and mantissa -> bits 6..8, which reads as value * 2^-126 (code 1, 0.5, is a
 # bf16 subnormal). Multiplying by 2^126 and then by the scale (powers of two; fma with -0 keeps every
-# sign, and bf16x2 fma is sm80+) is exact. That is 3.5 PTX instructions per weight; compiled for sm90,
-# GEMM1's main loop (BLOCK 16x32x64) came to 7.2 SASS instructions per weight, against 11 with the
-# Triton-code decode of _e2m1_unpack, and gpt-oss ran 1.3x faster end to end.
-_E2M1X4_TO_BF16 = tl.constexpr("""{
+# sign, and bf16x2 fma is sm80+) is exact. Folded, the scale operand already holds scale * 2^126, one
+# multiply per pair: that is 2.75 PTX instructions per weight instead of 3.25, and compiled for sm90,
+# GEMM1's main loop (BLOCK 16x32x64) came to 5.75 SASS instructions per weight instead of 6.28 (11 with
+# the Triton-code decode of _e2m1_unpack).
+_E2M1X4_PROLOGUE = """{
 .reg .b32 p0, p1, s, m, v, zero, negz, two126;
 mov.b32 zero, 0;
 mov.b32 negz, 0x80008000;
-mov.b32 two126, 0x7E807E80;
 prmt.b32 p0, $4, zero, 0x4140;
-prmt.b32 p1, $4, zero, 0x4342;
-shl.b32 s, p0, 12; and.b32 s, s, 0x80008000; shl.b32 m, p0, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
-fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $0, v, $5, negz;
-shl.b32 s, p1, 12; and.b32 s, s, 0x80008000; shl.b32 m, p1, 6; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
-fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $1, v, $6, negz;
-shl.b32 s, p0, 8; and.b32 s, s, 0x80008000; shl.b32 m, p0, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
-fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $2, v, $5, negz;
-shl.b32 s, p1, 8; and.b32 s, s, 0x80008000; shl.b32 m, p1, 2; and.b32 m, m, 0x01C001C0; or.b32 v, s, m;
-fma.rn.bf16x2 v, v, two126, negz; fma.rn.bf16x2 $3, v, $6, negz;
-}""")
+prmt.b32 p1, $4, zero, 0x4342;"""
+
+
+def _e2m1x4_to_bf16_asm(folded: bool) -> str:
+    """The PTX above; `folded`: the scale operands are scale * 2^126, so the separate 2^126 multiply goes."""
+    lines = [_E2M1X4_PROLOGUE] + ([] if folded else ["mov.b32 two126, 0x7E807E80;"])
+    for out, pair, sign_shift, field_shift, scale in (("$0", "p0", 12, 6, "$5"), ("$1", "p1", 12, 6, "$6"),
+                                                      ("$2", "p0", 8, 2, "$5"), ("$3", "p1", 8, 2, "$6")):
+        lines.append(f"shl.b32 s, {pair}, {sign_shift}; and.b32 s, s, 0x80008000; shl.b32 m, {pair}, {field_shift}; "
+                     "and.b32 m, m, 0x01C001C0; or.b32 v, s, m;")
+        if not folded:
+            lines.append("fma.rn.bf16x2 v, v, two126, negz;")
+        lines.append(f"fma.rn.bf16x2 {out}, v, {scale}, negz;")
+    return "\n".join(lines + ["}"])
+
+
+_E2M1X4_TO_BF16 = tl.constexpr(_e2m1x4_to_bf16_asm(folded=False))
+_E2M1X4_TO_BF16_FOLDED = tl.constexpr(_e2m1x4_to_bf16_asm(folded=True))
 
 
 @triton.jit
-def _e2m1_unpack_bf16(packed, s):
-    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values."""
-    scale = tl.broadcast_to((s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True), packed.shape)   # 2^(s - 127)
-    return tl.inline_asm_elementwise(_E2M1X4_TO_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
+def _e2m1_unpack_bf16(packed, s, FOLDED: tl.constexpr):
+    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values.
+
+    FOLDED needs every s <= E8M0_FOLD_MAX: 2^(s - 127) * 2^126 = 2^(s - 1) is then a finite bf16.
+    """
+    if FOLDED:
+        scale = ((s.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)    # 2^(s - 1)
+        asm: tl.constexpr = _E2M1X4_TO_BF16_FOLDED
+    else:
+        scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)            # 2^(s - 127)
+        asm: tl.constexpr = _E2M1X4_TO_BF16
+    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(scale, packed.shape)],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
@@ -215,7 +233,7 @@ def _e2m1_unpack(packed, s, dtype: tl.constexpr):
 
 
 @triton.jit
-def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K,
+def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
@@ -240,7 +258,7 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
         s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
         w_shape: tl.constexpr = (BLOCK_K // 2, BLOCK_N)
     if a.dtype == tl.bfloat16:
-        w_even, w_odd = _e2m1_unpack_bf16(packed, s)
+        w_even, w_odd = _e2m1_unpack_bf16(packed, s, W_FP4 == 2)
     else:
         w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -255,8 +273,8 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
             SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
-        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, SWAP_AB)
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4, BLOCK_M,
+                       BLOCK_N, BLOCK_K, SWAP_AB)
     else:
         w_off = w_rows.to(tl.int64) * stride_wn
         if SWAP_AB:

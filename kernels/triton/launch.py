@@ -17,7 +17,6 @@ from moerules.quant import Granularity
 
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
-from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
@@ -37,10 +36,12 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 _SHRINK_BLOCK_K = 128
 
 
-def _scheme_flags(scheme: Scheme) -> dict:
+def _scheme_flags(weights: MoEWeights) -> dict:
+    scheme = weights.scheme
     return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
                 UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
-                W_FP4=scheme.k_pack == 2, ACC_INT=scheme.act_torch_dtype == torch.int8)
+                W_FP4=(2 if weights.fp4_scales_fold else 1) if scheme.k_pack == 2 else 0,
+                ACC_INT=scheme.act_torch_dtype == torch.int8)
 
 
 def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -163,7 +164,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **_scheme_flags(weights.scheme), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
+        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
 
 
@@ -186,5 +187,5 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         out.shape[0], align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights.scheme), **_launch_kwargs(g),
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights), **_launch_kwargs(g),
         **(lora or _no_lora(dummy)))

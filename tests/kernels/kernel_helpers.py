@@ -21,10 +21,11 @@ TRITON_DTYPE = Dtype.bf16 if torch.cuda.is_available() else Dtype.fp16
 
 
 def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activation.silu, dtype=Dtype.fp16,
-               E=8, H=160, I=96, bias=False, seed=0, device="cpu", lora_rank=0, **kw):
-    """A layer on seeded random weights (gated as `activation` is), with random LoRA adapters if lora_rank."""
-    w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_of(cell), in_dtype=dtype,
-                            has_bias=bias, seed=seed, device=device, gated=activation.gated)
+               E=8, H=160, I=96, bias=False, seed=0, device="cpu", lora_rank=0, weights=None, **kw):
+    """A layer on seeded random weights (gated as `activation` is), with random LoRA adapters if lora_rank;
+    `weights`: these instead of random ones (E, H, I, bias and seed are then unused)."""
+    w = weights or make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_of(cell), in_dtype=dtype,
+                                       has_bias=bias, seed=seed, device=device, gated=activation.gated)
     if lora_rank:
         w.lora = make_random_lora(num_experts=E, hidden=H, intermediate=I, rank=lora_rank, in_dtype=dtype,
                                   gated=activation.gated, seed=seed + 100, device=device)

@@ -12,6 +12,8 @@ CPU runs of Triton go through the interpreter, whose tl.dot is wrong for bf16: t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from decision_helpers import config, cuda
@@ -21,8 +23,8 @@ from moerules import build, decide
 from moerules.activation import Activation, Dtype
 from moerules.errors import KernelUnavailableError
 from moerules.kernels import KernelBuildError, build_layer, make_random_weights
-from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, dequantize_mx, e2m1_decode, e2m1_encode,
-                                 e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
+from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, E8M0_FOLD_MAX, dequantize_mx, e2m1_decode,
+                                 e2m1_encode, e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton.config import default_config
@@ -346,6 +348,33 @@ def test_mxfp8_decision_carries_its_block_to_the_build():
     with pytest.raises(KernelUnavailableError, match=r"weight_block=0 disagrees with the weights' scheme "
                                                      r"mxfp8/group32/group32 \(K-block 32\)"):
         build(unset, weights)
+
+
+def _mxfp4_weights_with_scale(top: int, *, device=DEVICE):
+    """Random gpt-oss-style MXFP4 weights whose largest w2 scale byte is `top` (w2 times 2^(top - max))."""
+    w = make_random_weights(num_experts=8, hidden=96, intermediate=64, quant=quant_of(MXFP4), in_dtype=TRITON_DTYPE,
+                            has_bias=True, seed=3, device=device)
+    w2_scale = w.w2_scale + (top - int(w.w2_scale.max()))
+    return dataclasses.replace(w, w2_scale=w2_scale.to(torch.uint8))
+
+
+@pytest.mark.parametrize("top,folds", [(E8M0_FOLD_MAX, True), (E8M0_FOLD_MAX + 1, False)])
+def test_fp4_scales_fold_up_to_the_fold_limit(top, folds):
+    assert _mxfp4_weights_with_scale(top, device="cpu").fp4_scales_fold is folds
+    assert not make_random_weights(num_experts=2, hidden=64, intermediate=32, quant=quant_of(MXFP8),
+                                   in_dtype=Dtype.fp16, has_bias=False, seed=0, device="cpu").fp4_scales_fold
+
+
+@pytest.mark.parametrize("top", [E8M0_FOLD_MAX, E8M0_FOLD_MAX + 3])
+def test_triton_mxfp4_large_scales_match_reference(top, poison_empty):
+    """Scales past the fold limit take the two-multiply decode (on the GPU; the interpreter's decode is Triton
+    code for both). Past it, w2's groups reach 2^4 * 6: outputs near 2^7, still finite in fp16."""
+    weights = _mxfp4_weights_with_scale(top)
+    layer = make_layer("triton.fused_moe", MXFP4, activation=Activation.swigluoai, dtype=TRITON_DTYPE,
+                       weights=weights, device=DEVICE)
+    assert layer.weights.fp4_scales_fold is (top <= E8M0_FOLD_MAX)
+    x, ids, w = random_inputs(layer, 21, 4, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP4)
 
 
 # ---- GPU only (bf16) ----------------------------------------------------------------------------

@@ -56,10 +56,10 @@ from typing import Any, Callable
 import torch
 import triton
 
-from moe import EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, rel_err, tolerance
+from moe import EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance
 from moerules.activation import SwigluParams
 from moerules.kernels.scheme import Scheme
-from vllm_triton import Alignments, fastest_alternating, geomeans_by, our_gemms
+from vllm_triton import Alignments, geomeans_by, our_gemms
 
 REPO = Path(__file__).resolve().parent.parent
 CARRIED = REPO / "carry" / "triton_kernels"
@@ -334,7 +334,7 @@ class TkSideBySide:
                 "ok": out_err <= tol and gemm1_err <= tol}  # False on NaN
 
     def timings(self, tk_side: Contender, our_side: Contender) -> dict:
-        """Each part of each side, `fastest_alternating` over --rounds (bench/vllm_triton.py)."""
+        """Each part of each side, `fastest_alternating` over --rounds (bench/moe.py)."""
         sides = {who: {f"_{part}": getattr(side, part) for part in PARTS}
                  for who, side in (("tk", tk_side), ("ours", our_side))}
         return fastest_alternating(self.bench.time_us, self.rounds, sides) | {"rounds": self.rounds}

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe import MODELS, TIMED_SCHEMES, Bench, rel_err, tolerance
+from moe import MODELS, TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance
 from moerules.kernels.activations import apply_activation
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.triton import launch
@@ -305,21 +305,6 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
                             quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
     return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),
                 gemm2_input=(inter_q, inter_scale))
-
-
-def fastest_alternating(time_us: Callable, rounds: int, sides: dict[str, dict[str, Callable]]) -> dict[str, float]:
-    """`{side}{part}_us`: the fastest of `rounds` timings of each side's parts, the sides alternating which goes first.
-
-    At M >= 4096 the H100's clock drifts between timings: one side timed first read up to 15% apart from
-    itself timed later in the same run, so single timings in a fixed order favour whichever side goes first.
-    """
-    times: dict[str, list[float]] = {}
-    order = list(sides.items())
-    for r in range(rounds):
-        for who, parts in order if r % 2 == 0 else order[::-1]:
-            for part, fn in parts.items():
-                times.setdefault(f"{who}{part}_us", []).append(time_us(fn, graph=True))
-    return {key: min(v) for key, v in times.items()}
 
 
 def geomeans_by(rows: list[dict], group: str, groups, column: str) -> dict[str, float]:

@@ -8,7 +8,7 @@
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
-#             (default all four), TUNE_SECONDS per model (default 140) and TUNE_MS (default the whole M grid) fit it
+#             (default all four), TUNE_SECONDS per model (default 140), TUNE_SCHEMES and TUNE_MS (default the whole M grid) fit it
 #             into several calls
 #   tests_mx  the MX kernel tests alone (the bf16 MXFP4 decode's PTX runs only here)
 #   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
@@ -42,7 +42,7 @@ decode() {
 tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
-    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes bf16 fp8_tensor fp8_block mxfp4 \
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes ${TUNE_SCHEMES:-bf16 fp8_tensor fp8_block mxfp4} \
       --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384}
   done
 }

@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -372,24 +372,29 @@ class Bench:
                         continue
                     best = self.sweep(run, start, M, model, w.scheme)
                     in_use = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
-                    err = rel_err(run(best[1]), run(in_use))
-                    if not err <= tolerance(cell):  # not NaN either
-                        self.log(f"not tuned {name} {sname} M={M}: {best[1]} gives rel err {err:.1e} against the "
-                                 f"config in use (tol {tolerance(cell):.0e})")
-                        continue
-                    if best[1] != in_use:
-                        sides = {"new": {"": lambda: run(best[1])}, "in_use": {"": lambda: run(in_use)}}
-                        again = fastest_alternating(self.time_us, self.CONFIRM_ROUNDS, sides)
-                        if not again["new_us"] < again["in_use_us"]:
-                            self.log(f"not tuned {name} {sname} M={M}: {best[1]} ran {best[0]:.1f} us in the sweep, "
-                                     f"but {again['new_us']:.1f} us against {again['in_use_us']:.1f} us for the config "
-                                     f"in use timed alternately")
-                            continue
-                        best = (again["new_us"], best[1])
-                    table[str(M)] = best[1].to_dict()
-                    self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} us (seed: {seeds[start[1]]}) -> "
-                             f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
+                    rejected = self.rejection(run, best, in_use, cell) if best[1] != in_use else None
+                    if rejected:
+                        # Pinned at its M: an entry tuned later for another M would otherwise take over here.
+                        table[str(M)] = in_use.to_dict()
+                        self.log(f"kept the config in use {name} {sname} M={M}: {best[1]} {rejected}")
+                    else:
+                        table[str(M)] = best[1].to_dict()
+                        self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} us (seed: {seeds[start[1]]}) -> "
+                                 f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
+
+    def rejection(self, run, best, in_use: MoEConfig, cell: str) -> Optional[str]:
+        """Why the sweep's winner `best` (µs, config) must not replace the config in use, or None: its output
+        differs beyond the scheme's tolerance, or timed again against it, alternating, it is not faster."""
+        err = rel_err(run(best[1]), run(in_use))
+        if not err <= tolerance(cell):  # not NaN either
+            return f"gives rel err {err:.1e} against the config in use (tol {tolerance(cell):.0e})"
+        sides = {"new": {"": lambda: run(best[1])}, "in_use": {"": lambda: run(in_use)}}
+        again = fastest_alternating(self.time_us, self.CONFIRM_ROUNDS, sides)
+        if not again["new_us"] < again["in_use_us"]:
+            return (f"ran {best[0]:.1f} us in the sweep, but {again['new_us']:.1f} us against {again['in_use_us']:.1f} "
+                    "us for the config in use timed alternately")
+        return None
 
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV

@@ -10,7 +10,10 @@
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four), TUNE_SECONDS per model (default 140), TUNE_SCHEMES and TUNE_MS (default the whole M grid) fit it
 #             into several calls
-#   tests_mx  the MX kernel tests alone (the bf16 MXFP4 decode's PTX runs only here)
+#   tests_mx  the MX kernel tests alone, with the MX cells' tile variants (the bf16 MXFP4 decode's PTX runs only here)
+#   compare_mx  MXFP4 forward of the code in carry/base (`git archive BASE moerules kernels engine rules
+#             pyproject.toml | tar -x -C carry/base`) and of this tree, in one session, this tree's rows with their
+#             ratio to the base's (COMPARE_MS, default 16 256 4096; both gpt-oss)
 #   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
 #             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
 #   tune_mx   tune MXFP4 on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64 256), TUNE_SECONDS each
@@ -66,8 +69,16 @@ tk() {
     ${TK_ARGS:-} > "$out/$name.log" 2>&1
 }
 tests_mx() {
-  timeout 120 python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py -q -n 8 -p no:benchmark \
+  timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py \
+    tests/kernels/test_fp4_words.py tests/kernels/test_fused_moe.py -k "mx or fp4 or e2m1" -q -n 8 -p no:benchmark \
     -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
+}
+compare_mx() {
+  local args="--phase bench --models gpt-oss-120b gpt-oss-20b --schemes mxfp4 --ms ${COMPARE_MS:-16 256 4096}"
+  # shellcheck disable=SC2086
+  PYTHONPATH=/tmp/site:$PWD/carry/base timeout 100 python3 bench/moe.py $args --out "$out/base" > "$out/base.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout 100 python3 bench/moe.py $args --baseline "$out/base/results.json" --out "$out/new" > "$out/new.log" 2>&1
 }
 tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one-row tiles, LoRA, edge shapes)
   timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py \

@@ -1,7 +1,9 @@
 """The bf16 MXFP4 decode's PTX (`fused_moe._e2m1x4_to_bf16_asm`), run by a small PTX emulator on the CPU.
 
-The interpreter cannot run inline PTX, so without this only GPU runs would notice a wrong shift, mask or
-operand order. The emulator knows exactly the instructions the decode uses and refuses any other.
+The interpreter cannot run inline PTX, so without this only GPU runs would notice a wrong rotation, mask or
+operand order. The emulator knows exactly the instructions the decode uses and refuses any other. The decode
+reads words in fp4_words' kernel order: every checkpoint word is converted with `to_kernel_order` first and
+the values are checked against the checkpoint's nibbles.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import struct
 import pytest
 import torch
 
+from moerules.kernels.fp4_words import to_kernel_order
 from moerules.kernels.mx import E8M0_BIAS, E8M0_FOLD_MAX, e2m1_decode
 from moerules.kernels.triton.fused_moe import _E2M1X4_TO_BF16, _E2M1X4_TO_BF16_FOLDED
 
@@ -67,6 +70,9 @@ def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
             regs[dst] = _prmt(*x)
         elif op == "shl.b32":
             regs[dst] = (x[0] << x[1]) & MASK32
+        elif op == "shf.l.wrap.b32":    # funnel shift of x[1]:x[0] by x[2] mod 32: a rotation when both are one word
+            pair, shift = (x[1] << 32) | x[0], x[2] % 32
+            regs[dst] = ((pair << shift) >> 32) & MASK32
         elif op == "and.b32":
             regs[dst] = x[0] & x[1]
         elif op == "or.b32":
@@ -92,7 +98,8 @@ def test_every_byte_decodes_to_its_two_scaled_e2m1_values(folded, scales):
     asm = (_E2M1X4_TO_BF16_FOLDED if folded else _E2M1X4_TO_BF16).value
     for first in range(256):
         data = [(first + i) % 256 for i in range(4)]               # every byte in every position
-        out = run_ptx(asm, {"$4": int.from_bytes(bytes(data), "little"),
+        word = to_kernel_order(torch.tensor([[data]], dtype=torch.uint8))[0, 0].tolist()
+        out = run_ptx(asm, {"$4": int.from_bytes(bytes(word), "little"),
                             "$5": _scale_operand(scales[:2], folded=folded),
                             "$6": _scale_operand(scales[2:], folded=folded)})
         for half, nibble_shift in (("even", 0), ("odd", 4)):

@@ -164,58 +164,68 @@ def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_
     return acc
 
 
-# One packed word (4 bytes, kernel order) -> the bf16 values of its low nibbles ($0, $1) and high nibbles ($2,
-# $3), each times its bf16 scale ($5, $6 hold the scales of bytes 0,1 and 2,3). Each register is the or of
+# One packed word (4 bytes, kernel order, one uint32 element: no register layout can split it) -> the bf16
+# values of its 8 nibbles, each times the group's bf16 scale. Each pair of values is one register, the or of
 # the word's rotations masked (fp4_words.DECODE_TERMS): sign at bit 15, exponent and mantissa at bits 6..8,
 # which reads as value * 2^-126 (code 1, 0.5, is a bf16 subnormal). Multiplying by 2^126 and then by the scale
 # (powers of two; fma with -0 keeps every sign, and bf16x2 fma is sm80+) is exact. Folded, the scale operand
 # already holds scale * 2^126, one multiply per pair. 13 PTX instructions per word folded (22 from the
-# checkpoint order): GEMM1's main loop at BLOCK 16x32x64, 32 weights per thread, compiles for sm_90 to 148
-# SASS instructions (184 from the checkpoint order, 352 with an earlier Triton-code decode).
+# checkpoint order, a byte permute and a shift and mask per field): GEMM1's main loop at BLOCK 16x32x64, 32
+# weights per thread, compiles for sm_90 to 146 SASS instructions (183 from the checkpoint order).
 
 
-def _e2m1x4_to_bf16_asm(folded: bool) -> str:
-    """The PTX above; `folded`: the scale operands are scale * 2^126, so the separate 2^126 multiply goes."""
-    lines = ["{", ".reg .b32 t, u, v, negz, two126;", "mov.b32 negz, 0x80008000;"]
+def _e2m1_word_to_bf16_asm(folded: bool) -> str:
+    """The PTX above for one word $8 and its bf16 scale $9; `folded`: the scale is scale * 2^126, so the separate
+    2^126 multiply goes. Outputs $0..$7: the values of bytes 0..3's low nibbles, then of their high nibbles."""
+    lines = ["{", ".reg .b32 t, u, v, sc, negz, two126;", "mov.b32 negz, 0x80008000;", "mov.b32 sc, {$9, $9};"]
     if not folded:
         lines.append("mov.b32 two126, 0x7E807E80;")
     for register, terms in enumerate(fp4_words.DECODE_TERMS):
         for i, (rotation, mask) in enumerate(terms):
-            source = "$4"
+            source = "$8"
             if rotation:
-                lines.append(f"shf.l.wrap.b32 t, $4, $4, {rotation};")
+                lines.append(f"shf.l.wrap.b32 t, $8, $8, {rotation};")
                 source = "t"
             lines.append(f"and.b32 {'u' if i else 'v'}, {source}, {mask:#010x};")
             if i:
                 lines.append("or.b32 v, v, u;")
         if not folded:
             lines.append("fma.rn.bf16x2 v, v, two126, negz;")
-        scale = "$5" if fp4_words.REGISTER_VALUES[register][0][0] < 2 else "$6"
-        lines.append(f"fma.rn.bf16x2 ${register}, v, {scale}, negz;")
+        lo, hi = (4 * nibble + byte for byte, nibble in fp4_words.REGISTER_VALUES[register])
+        lines.append(f"fma.rn.bf16x2 v, v, sc, negz; mov.b32 {{${lo}, ${hi}}}, v;")
     return "\n".join(lines + ["}"])
 
 
-_E2M1X4_TO_BF16 = tl.constexpr(_e2m1x4_to_bf16_asm(folded=False))
-_E2M1X4_TO_BF16_FOLDED = tl.constexpr(_e2m1x4_to_bf16_asm(folded=True))
+_E2M1_WORD_TO_BF16 = tl.constexpr(_e2m1_word_to_bf16_asm(folded=False))
+_E2M1_WORD_TO_BF16_FOLDED = tl.constexpr(_e2m1_word_to_bf16_asm(folded=True))
 _DECODE_TERMS = tl.constexpr(fp4_words.DECODE_TERMS)
 
 
 @triton.jit
-def _e2m1_unpack_bf16(packed, s, FOLDED: tl.constexpr):
-    """packed e2m1 bytes [..] (uint8, kernel order) and their e8m0 scales (broadcastable) -> (even k, odd k)
-    bf16 values. pack=4 hands the PTX four consecutive bytes of the thread's layout as one register: the
-    tile's layouts keep them one aligned word (the GPU tests of every tile variant would see any other).
+def _bytes_of_words(b0, b1, b2, b3):
+    """Four [G, 4, N] tensors, the values of bytes 0..3 of each word -> [G, 16, N], byte i of word w at 4w + i."""
+    G: tl.constexpr = b0.shape[0]
+    N: tl.constexpr = b0.shape[2]
+    four = tl.join(tl.join(b0, b2), tl.join(b1, b3))                 # [G, 4, N, 2, 2]: [.., a, b] is byte 2a + b
+    return tl.reshape(tl.permute(tl.reshape(four, (G, 4, N, 4)), (0, 1, 3, 2)), (G, 16, N))
+
+
+@triton.jit
+def _e2m1_words_bf16(words, s, FOLDED: tl.constexpr):
+    """Kernel-order e2m1 words [G, 4, N] (uint32) and their e8m0 scales [G, 1, N] -> (even k, odd k) bf16 values,
+    each [G, 16, N]. One word is one element of the inline PTX, so no register layout can split a word.
 
     FOLDED needs every s <= E8M0_FOLD_MAX: 2^(s - 127) * 2^126 = 2^(s - 1) is then a finite bf16.
     """
     if FOLDED:
         scale = ((s.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)    # 2^(s - 1)
-        asm: tl.constexpr = _E2M1X4_TO_BF16_FOLDED
+        asm: tl.constexpr = _E2M1_WORD_TO_BF16_FOLDED
     else:
         scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)            # 2^(s - 127)
-        asm: tl.constexpr = _E2M1X4_TO_BF16
-    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(scale, packed.shape)],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        asm: tl.constexpr = _E2M1_WORD_TO_BF16
+    v = tl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, tl.broadcast_to(scale, words.shape)],
+                                  dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return _bytes_of_words(v[0], v[1], v[2], v[3]), _bytes_of_words(v[4], v[5], v[6], v[7])
 
 
 @triton.jit
@@ -246,34 +256,19 @@ def _half_x2pow14(register, HALF: tl.constexpr):
 
 
 @triton.jit
-def _nibbles_x2pow14(words, BYTES01: tl.constexpr, BYTES23: tl.constexpr):
-    """[G, 4, N] words -> [G, 16, N] values * 2^-14 (fp32) of the nibbles that registers BYTES01 (bytes 0, 1)
-    and BYTES23 (bytes 2, 3) decode; byte i of word w lands at 4 * w + i."""
-    G: tl.constexpr = words.shape[0]
-    N: tl.constexpr = words.shape[2]
-    r01 = _decode_register(words, _DECODE_TERMS[BYTES01])
-    r23 = _decode_register(words, _DECODE_TERMS[BYTES23])
-    four = tl.join(tl.join(_half_x2pow14(r01, 0), _half_x2pow14(r23, 0)),
-                   tl.join(_half_x2pow14(r01, 1), _half_x2pow14(r23, 1)))    # [G, 4, N, 2, 2]: byte 2a + b
-    return tl.reshape(tl.permute(tl.reshape(four, (G, 4, N, 4)), (0, 1, 3, 2)), (G, 16, N))
-
-
-@triton.jit
-def _e2m1_unpack(packed, s, dtype: tl.constexpr):
+def _e2m1_words(words, s, dtype: tl.constexpr):
     """The same in Triton code, for fp16 (and the interpreter), from the same DECODE_TERMS, scaled in fp32.
-
-    packed [G, 16, N] is regrouped into its words [G, 4, N] (byte i of a word at bit 8 * i).
-    """
-    G: tl.constexpr = packed.shape[0]
-    N: tl.constexpr = packed.shape[2]
-    shifts = (tl.arange(0, 4) * 8).to(tl.uint32)
-    words = tl.sum(tl.reshape(packed, (G, 4, 4, N)).to(tl.uint32) << shifts[None, None, :, None], axis=2)
+    Registers 0, 1 hold the low nibbles of bytes (0, 1) and (2, 3); registers 2, 3 the high nibbles."""
     # 2^(s - 127) * 2^14 undoes the 2^-14 of _half_x2pow14; the exponent field s + 14 is finite for s <= 240
     # (group amax below 2^116: larger weights could not be fp16 MMA operands anyway).
     scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    even = (_nibbles_x2pow14(words, 0, 1) * scale).to(dtype)
-    odd = (_nibbles_x2pow14(words, 2, 3) * scale).to(dtype)
-    return even, odd
+    r0 = _decode_register(words, _DECODE_TERMS[0])
+    r1 = _decode_register(words, _DECODE_TERMS[1])
+    r2 = _decode_register(words, _DECODE_TERMS[2])
+    r3 = _decode_register(words, _DECODE_TERMS[3])
+    even = _bytes_of_words(_half_x2pow14(r0, 0), _half_x2pow14(r0, 1), _half_x2pow14(r1, 0), _half_x2pow14(r1, 1))
+    odd = _bytes_of_words(_half_x2pow14(r2, 0), _half_x2pow14(r2, 1), _half_x2pow14(r3, 0), _half_x2pow14(r3, 1))
+    return (even * scale).to(dtype), (odd * scale).to(dtype)
 
 
 @triton.jit
@@ -281,22 +276,23 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, stri
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
-    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] so each group's scale broadcasts along its
-    bytes; Triton then gives neighbouring threads the neighbouring groups of one row, whole 32-byte sectors
-    at BLOCK_K >= 64 (loaded [BLOCK_N, groups, 16 bytes], as the swapped tile once was, a warp read 16 bytes
-    of each of 32 rows). Swapped, the decoded tile is permuted to [BLOCK_N, groups, 16] for the MMA.
+    The packed tile is loaded as 32-bit words [groups, 4 words, BLOCK_N] (kernel bit order, fp4_words.py) so
+    each group's scale broadcasts along its words; Triton then gives neighbouring threads the neighbouring
+    words of one row, whole 32-byte sectors at BLOCK_K >= 64. Swapped, the decoded tile is permuted to
+    [BLOCK_N, groups, 16] for the MMA.
     """
-    HALF: tl.constexpr = MX_GROUP // 2
+    WORDS: tl.constexpr = MX_GROUP // 8
     rows = w_rows.to(tl.int64)
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
     mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
-    byte = g[:, None, None] * HALF + tl.arange(0, HALF)[None, :, None]
-    packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
+    word = g[:, None, None] * WORDS + tl.arange(0, WORDS)[None, :, None]
+    words = tl.load(w_e.to(tl.pointer_type(tl.uint32)) + rows[None, None, :] * (stride_wn // 4) + word,
+                    mask=mask[:, None, :], other=0)
     s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None] * stride_wsk, mask=mask, other=0)[:, None, :]
     if a.dtype == tl.bfloat16:
-        w_even, w_odd = _e2m1_unpack_bf16(packed, s, W_FP4 == 2)
+        w_even, w_odd = _e2m1_words_bf16(words, s, W_FP4 == 2)
     else:
-        w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
+        w_even, w_odd = _e2m1_words(words, s, a.dtype)
     if SWAP_AB:
         w_even = tl.reshape(tl.permute(w_even, (2, 0, 1)), (BLOCK_N, BLOCK_K // 2))
         w_odd = tl.reshape(tl.permute(w_odd, (2, 0, 1)), (BLOCK_N, BLOCK_K // 2))

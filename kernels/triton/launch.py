@@ -37,11 +37,15 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 _SHRINK_BLOCK_K = 128
 
 
-def _scheme_flags(weights: MoEWeights) -> dict:
-    scheme = weights.scheme
-    if scheme.k_pack == 2 and not weights.fp4_kernel_order:
+def _check_fp4_order(weights: MoEWeights) -> None:
+    if weights.scheme.k_pack == 2 and not weights.fp4_kernel_order:
         raise KernelInputError("MXFP4 weights reach the Triton GEMMs in fp4_words' kernel bit order, and these are in "
                                "the checkpoint's: call weights.use_kernel_layout() once first (build_layer does)")
+
+
+def _scheme_flags(weights: MoEWeights) -> dict:
+    _check_fp4_order(weights)
+    scheme = weights.scheme
     return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
                 UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
                 W_FP4=(2 if weights.fp4_scales_fold else 1) if scheme.k_pack == 2 else 0,
@@ -115,6 +119,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     rows are neutral for the intermediate's scales and the top-k sum. Off EP they stay empty.
     `weights.lora`, when set, adds its deltas; x_q is then unquantised (build refuses LoRA otherwise).
     """
+    _check_fp4_order(weights)  # before any kernel: the alignment below already launches one
     alloc = torch.zeros if remote_slots else torch.empty
     # The kernels step through rows by stride(0) and read each row, and the router weights, as contiguous:
     # a strided view (a transposed x, a column slice) would be read wrongly, so it is copied (no-op otherwise).

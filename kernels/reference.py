@@ -17,22 +17,17 @@ import torch
 from moerules.activation import SwigluParams
 
 from .activations import apply_activation
-from .fp4_words import to_checkpoint_order
 from .interfaces import Experts
 from .quantize import dequantize_activation, dequantize_weight, quantize_activation
-from .scheme import TORCH_DTYPE
+from .scheme import TORCH_DTYPE, Scheme
 from .weights import MoEWeights
 
 
-def _expert_weight(weights: MoEWeights, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e of w13 or w2, dequantised to dtype (MXFP4 words read back from the kernel order if built so)."""
-    w, scheme = getattr(weights, name)[e:e + 1], weights.scheme
+def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, scheme: Scheme,
+                   dtype: torch.dtype) -> torch.Tensor:
     if scheme.weight_dtype is None:
-        return w[0].to(dtype)
-    if weights.fp4_kernel_order:
-        w = to_checkpoint_order(w)
-    scale = getattr(weights, f"{name}_scale")[e:e + 1]
-    return dequantize_weight(w, scale, granularity=scheme.weight_granularity)[0].to(dtype)
+        return w[e].to(dtype)
+    return dequantize_weight(w[e:e + 1], scale[e:e + 1], granularity=scheme.weight_granularity)[0].to(dtype)
 
 
 def _lora_delta(a: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, e: int, scaling: float) -> torch.Tensor:
@@ -65,7 +60,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     for e in experts:
         slots = slots_of[e]
         xe = x[slot_token[slots]]
-        h = xe @ _expert_weight(weights, "w13", e, compute_dtype).T
+        h = xe @ _expert_weight(weights.w13, weights.w13_scale, e, scheme, compute_dtype).T
         if lora is not None:
             h = h + _lora_delta(xe, lora.w13_lora_a, lora.w13_lora_b, e, lora.scaling)
         if weights.has_bias:
@@ -83,7 +78,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     flat_w = topk_weights.reshape(-1).to(compute_dtype)
     for e in experts:
         slots = slots_of[e]
-        y = inter_c[slots] @ _expert_weight(weights, "w2", e, compute_dtype).T
+        y = inter_c[slots] @ _expert_weight(weights.w2, weights.w2_scale, e, scheme, compute_dtype).T
         if lora is not None:  # inter_c is the unquantised intermediate here (LoRA needs unquantised activations)
             y = y + _lora_delta(inter_c[slots], lora.w2_lora_a, lora.w2_lora_b, e, lora.scaling)
         if weights.has_bias:

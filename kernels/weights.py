@@ -7,9 +7,6 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
   (packed fp4 weights, MXFP4: w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, two e2m1 values per byte along K)
   w13_bias [E, N1], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
-  The Triton experts convert MX weights once, at build (`use_kernel_layout`): scales stored group-major
-  ([E, K/32, N] in memory, the same [E, N, K/32] values) and MXFP4 words in the bit order of fp4_words.py
-  (`fp4_kernel_order`); `checkpoint_packed` reads such weights back in the layout above.
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
   lora: optional per-expert LoRA adapters (`lora.py`), padded together with the weights.
   correction_bias: the router's e_score_correction_bias [E_global] fp32 (DeepSeek-V3, GLM-4-MoE), which
@@ -28,7 +25,6 @@ from moerules.activation import Dtype
 from moerules.errors import KernelInputError
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
-from .fp4_words import to_checkpoint_order, to_kernel_order
 from .lora import LoRAWeights
 from .mx import E8M0_BIAS, E8M0_FOLD_MAX, MX_GROUP
 from .qrange import FP8_MAX
@@ -69,9 +65,6 @@ class MoEWeights:
     # then takes one multiply per weight pair instead of two. Set once here, where the scales arrive (one
     # reduction per scale tensor); padding only adds scale 1 (E8M0_BIAS), which keeps it true.
     fp4_scales_fold: bool = field(init=False, default=False)
-    # MXFP4 words in fp4_words' kernel order (`use_kernel_layout`): what decodes values reads `checkpoint_packed`.
-    # An init field, so that dataclasses.replace (sharding, tests) carries it with the tensors.
-    fp4_kernel_order: bool = False
 
     def __post_init__(self):
         E, rows, _ = self.w13.shape
@@ -91,8 +84,7 @@ class MoEWeights:
 
     def _check_layout(self) -> None:
         """Every tensor on w13's device with a unit-stride last dimension: the kernels step over the other
-        dimensions by their strides but read along the last one contiguously (K for weights). 3-D weight
-        scales (block and MX) are read by all three strides, so any memory order serves there."""
+        dimensions by their strides but read along the last one contiguously (K for weights)."""
         for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "a13_scale", "a2_scale"):
             t = getattr(self, name)
             if t is None:
@@ -100,34 +92,11 @@ class MoEWeights:
             if t.device != self.w13.device:
                 raise KernelInputError(f"MoEWeights.{name} is on {t.device}, w13 on {self.w13.device}; put every "
                                        "tensor of a layer on one device")
-            any_order = name in ("w13_scale", "w2_scale") and t.dim() == 3
-            if not any_order and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
                 raise KernelInputError(f"MoEWeights.{name} {tuple(t.shape)} has strides {t.stride()}: its last "
                                        "dimension must be contiguous (stride 1) in the layout of this module's doc; "
                                        f"pass {name}.contiguous() (a transposed checkpoint tensor: transpose it "
                                        "into that layout, then .contiguous())")
-
-    def use_kernel_layout(self) -> None:
-        """Convert MX weights, in place and once, to the layout the Triton GEMMs read fastest.
-
-        Scales group-major: a K step reads one to four groups of BLOCK_N rows; stored row-major, each row's
-        scales for the step are 1-4 bytes of their own 32-byte sector (on gpt-oss-120b at M=256, BLOCK_K 64,
-        ncu counted 55% of GEMM1's L2 sectors as excess: bench/results/s25/ncu_oss120b_m256_stalls.txt);
-        group-major they are one contiguous run per group. MXFP4 words in fp4_words' kernel order: half the
-        decode's logic instructions. Other schemes are left alone.
-        """
-        if not self.scheme.is_mx:
-            return
-        self.w13_scale, self.w2_scale = (s.transpose(1, 2).contiguous().transpose(1, 2)
-                                         for s in (self.w13_scale, self.w2_scale))
-        if self.scheme.k_pack == 2 and not self.fp4_kernel_order:
-            self.w13, self.w2 = to_kernel_order(self.w13), to_kernel_order(self.w2)
-            self.fp4_kernel_order = True
-
-    def checkpoint_packed(self, name: str) -> torch.Tensor:
-        """w13 or w2 in the layout of this module's doc, whatever `use_kernel_layout` did (a copy if it moved)."""
-        t = getattr(self, name)
-        return to_checkpoint_order(t) if self.fp4_kernel_order else t
 
     def check_lora(self, lora: Optional[LoRAWeights] = None) -> None:
         """Raise ValueError unless `lora` (default: the attached adapters, if any) fits these weights as they are."""
@@ -137,11 +106,10 @@ class MoEWeights:
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
 
     def checksum(self) -> str:
-        """A digest of every weight, bias and scale byte in the layout of this module's doc (one pass over the
-        weights, on their device): the same before and after `use_kernel_layout`."""
+        """A digest of every weight, bias and scale byte (one pass over the weights, on their device)."""
         total = []
         for name in ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "a13_scale", "a2_scale"):
-            t = self.checkpoint_packed(name) if name in ("w13", "w2") else getattr(self, name)
+            t = getattr(self, name)
             if t is not None:
                 words = t.contiguous().view(torch.uint8).flatten()
                 total.append(f"{name}:{tuple(t.shape)}:{_byte_digest(words)}")

@@ -57,8 +57,8 @@ def to_oai_layout(weights: MoEWeights) -> OaiMxfp4Weights:
     def bias(b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if b is None else b.float().contiguous()
 
-    return OaiMxfp4Weights(w13=_k_major(weights.checkpoint_packed("w13")), w13_scale=_k_major_scale(weights.w13_scale),
-                           w2=_k_major(weights.checkpoint_packed("w2")), w2_scale=_k_major_scale(weights.w2_scale),
+    return OaiMxfp4Weights(w13=_k_major(weights.w13), w13_scale=_k_major_scale(weights.w13_scale),
+                           w2=_k_major(weights.w2), w2_scale=_k_major_scale(weights.w2_scale),
                            w13_bias=bias(weights.w13_bias), w2_bias=bias(weights.w2_bias),
                            w13_groups=weights.w13_scale.shape[-1], w2_groups=weights.w2_scale.shape[-1])
 

@@ -50,7 +50,7 @@ def _expert_tile(counts_ptr, max_tokens, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 @triton.jit
 def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_scale_ptr, n1, n2, col_ok, K,
-              stride_wn, stride_wsn, stride_wsk, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
+              stride_wn, stride_wsn, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
               TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SWAP_AB: tl.constexpr):
     """x[rows] . w[n1] (and . w[n2] when TWO: gate and up share each A load), scaled, fp32 [BLOCK_M, BLOCK_N].
@@ -64,12 +64,12 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n1, col_ok, stride_wn,
-                       stride_wsn, stride_wsk, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N,
-                       BLOCK_K, SWAP_AB)
+                       stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                       SWAP_AB)
         if TWO:
             acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n2, col_ok, stride_wn,
-                           stride_wsn, stride_wsk, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M,
-                           BLOCK_N, BLOCK_K, SWAP_AB)
+                           stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K,
+                           SWAP_AB)
     acc1 = _epilogue_scale(_acc_rows_first(acc1, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok,
                            stride_wsn, A_SCALE, W_SCALE)
     if TWO:
@@ -93,8 +93,7 @@ def _fold_amax(amax_ptr, row_index, row_ok, absval, group, num_groups, AMAX: tl.
 def batched_gemm1_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, amax_ptr, counts_ptr,
         max_tokens, N, K, gate_row_step, up_row_offset, num_groups,
-        stride_ae, stride_am, stride_ase, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        stride_be,
+        stride_ae, stride_am, stride_ase, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
         stride_oe, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACTIVATION: tl.constexpr, AMAX: tl.constexpr,
@@ -112,7 +111,7 @@ def batched_gemm1_kernel(
     up_rows = gate_rows + up_row_offset
     gate, up = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                          w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, gate_rows, up_rows, col_ok, K,
-                         stride_wn, stride_wsn, stride_wsk, A_SCALE, W_SCALE, UPCAST_W, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                         stride_wn, stride_wsn, A_SCALE, W_SCALE, UPCAST_W, True, BLOCK_M, BLOCK_N, BLOCK_K,
                          SWAP_AB)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -153,8 +152,7 @@ def batched_quant_kernel(x_ptr, q_ptr, scale_ptr, counts_ptr, max_tokens, K, num
 def batched_gemm2_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, counts_ptr,
         max_tokens, N, K,
-        stride_ae, stride_am, stride_ase, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-        stride_be,
+        stride_ae, stride_am, stride_ase, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
         stride_oe, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -169,8 +167,7 @@ def batched_gemm2_kernel(
     col_ok = cols < N
     out, _ = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                        w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, cols, cols, col_ok, K, stride_wn,
-                       stride_wsn, stride_wsk, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                       SWAP_AB)
+                       stride_wsn, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),

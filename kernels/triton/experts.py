@@ -14,10 +14,6 @@ from .launch import fused_moe
 
 class TritonExperts(Experts):
 
-    def load_weights(self, weights: MoEWeights) -> None:
-        """MX weights in the layout the GEMMs read (`MoEWeights.use_kernel_layout`), once."""
-        weights.use_kernel_layout()
-
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:
         x, a_scale = self.gemm1_input(hidden_q, a_scale=a_scale, weights=weights)

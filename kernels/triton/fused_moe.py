@@ -22,9 +22,9 @@ Scale codes (tl.constexpr):
            4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
   W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
            4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
-  W_FP4:   0 no; 1 the weights are packed e2m1 pairs [E, N, K/2], MXFP4, each 4-byte word's bits in the
-           kernel order of fp4_words.py; 2 the same with every e8m0 scale at most mx.E8M0_FOLD_MAX
-           (`MoEWeights.fp4_scales_fold`): the bf16 decode then folds its fixed 2^126 into the scale.
+  W_FP4:   0 no; 1 the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4; 2 the same
+           with every e8m0 scale at most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode
+           then folds its fixed 2^126 into the scale.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
@@ -33,9 +33,8 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
     activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet the
     low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the decode
     instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
-    instructions per weight for the whole GPU), so bf16 decodes a 4-byte word at a time in PTX, from the
-    bit order fp4_words.py gives the words at build (a rotation and a mask per register); fp16 and the
-    interpreter run the same terms in Triton code. `tl.dot_scaled`, whose Hopper
+    instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
+    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. `tl.dot_scaled`, whose Hopper
     lowering upcasts in the compiler, measured no faster than the Triton-code decode (H200, Triton 3.6)
     and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
@@ -49,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import fp4_words, mx, scheme
+from .. import mx, scheme
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
@@ -85,7 +84,18 @@ def _e8m0(s):
 
 
 @triton.jit
-def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, stride_wsk, k0,
+def _e2m1_x2pow14(t):
+    """The e2m1 nibble held in bits 12..15 of t (int32) -> its value * 2^-14 in fp32, exactly.
+
+    Sign and exponent/mantissa bits are moved to their fp16 places (sign 15, e 10..11, m 9): an fp16
+    with exponent bias 15 then reads 2^(e-15) * (1 + m/2), and code 1 (0.5) is the fp16 subnormal 2^-15.
+    """
+    bits = (t & 0x8000) | ((t >> 3) & 0x0E00)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
                  A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
     """Scales of one K step under block/group scaling: a group scale per row, a block/group scale per column."""
     if A_SCALE == 3:
@@ -95,11 +105,9 @@ def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col
     else:
         sa = tl.full(a_rows.shape, 1.0, tl.float32)
     if W_SCALE == 4:
-        sw = _e8m0(tl.load(w_scale_e + w_rows.to(tl.int64) * stride_wsn + (k0 // MX_GROUP) * stride_wsk, mask=col_ok,
-                           other=0))
+        sw = _e8m0(tl.load(w_scale_e + w_rows.to(tl.int64) * stride_wsn + k0 // MX_GROUP, mask=col_ok, other=0))
     else:
-        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + (k0 // SCALE_BLOCK) * stride_wsk, mask=col_ok,
-                     other=0.0)
+        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
     return sa, sw
 
 
@@ -164,155 +172,109 @@ def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_
     return acc
 
 
-# One packed word (4 bytes, kernel order, one uint32 element: no register layout can split it) -> the bf16
-# values of its 8 nibbles, each times the group's bf16 scale. Each pair of values is one register, the or of
-# the word's rotations masked (fp4_words.DECODE_TERMS): sign at bit 15, exponent and mantissa at bits 6..8,
-# which reads as value * 2^-126 (code 1, 0.5, is a bf16 subnormal). Multiplying by 2^126 and then by the scale
-# (powers of two; fma with -0 keeps every sign, and bf16x2 fma is sm80+) is exact. Folded, the scale operand
-# already holds scale * 2^126, one multiply per pair. 13 PTX instructions per word folded (22 from the
-# checkpoint order, a byte permute and a shift and mask per field): GEMM1's main loop at BLOCK 16x32x64, 32
-# weights per thread, compiles for sm_90 to 146 SASS instructions (183 from the checkpoint order).
+# Four packed bytes -> the bf16 values of their low nibbles ($0, $1) and high nibbles ($2, $3), each
+# times its bf16 scale ($5, $6 hold the scales of bytes 0,1 and 2,3). Two bytes at a time go to the
+# two halves of a register (prmt), then each nibble is moved into bf16 place with shifts and masks:
+# sign -> bit 15, exponent and mantissa -> bits 6..8, which reads as value * 2^-126 (code 1, 0.5, is a
+# bf16 subnormal). Multiplying by 2^126 and then by the scale (powers of two; fma with -0 keeps every
+# sign, and bf16x2 fma is sm80+) is exact. Folded, the scale operand already holds scale * 2^126, one
+# multiply per pair: that is 2.75 PTX instructions per weight instead of 3.25, and compiled for sm90,
+# GEMM1's main loop (BLOCK 16x32x64) came to 5.75 SASS instructions per weight instead of 6.28 (11 with
+# the Triton-code decode of _e2m1_unpack).
+_E2M1X4_PROLOGUE = """{
+.reg .b32 p0, p1, s, m, v, zero, negz, two126;
+mov.b32 zero, 0;
+mov.b32 negz, 0x80008000;
+prmt.b32 p0, $4, zero, 0x4140;
+prmt.b32 p1, $4, zero, 0x4342;"""
 
 
-def _e2m1_word_to_bf16_asm(folded: bool) -> str:
-    """The PTX above for one word $8 and its bf16 scale $9; `folded`: the scale is scale * 2^126, so the separate
-    2^126 multiply goes. Outputs $0..$7: the values of bytes 0..3's low nibbles, then of their high nibbles."""
-    lines = ["{", ".reg .b32 t, u, v, sc, negz, two126;", "mov.b32 negz, 0x80008000;", "mov.b32 sc, {$9, $9};"]
-    if not folded:
-        lines.append("mov.b32 two126, 0x7E807E80;")
-    for register, terms in enumerate(fp4_words.DECODE_TERMS):
-        for i, (rotation, mask) in enumerate(terms):
-            source = "$8"
-            if rotation:
-                lines.append(f"shf.l.wrap.b32 t, $8, $8, {rotation};")
-                source = "t"
-            lines.append(f"and.b32 {'u' if i else 'v'}, {source}, {mask:#010x};")
-            if i:
-                lines.append("or.b32 v, v, u;")
+def _e2m1x4_to_bf16_asm(folded: bool) -> str:
+    """The PTX above; `folded`: the scale operands are scale * 2^126, so the separate 2^126 multiply goes."""
+    lines = [_E2M1X4_PROLOGUE] + ([] if folded else ["mov.b32 two126, 0x7E807E80;"])
+    for out, pair, sign_shift, field_shift, scale in (("$0", "p0", 12, 6, "$5"), ("$1", "p1", 12, 6, "$6"),
+                                                      ("$2", "p0", 8, 2, "$5"), ("$3", "p1", 8, 2, "$6")):
+        lines.append(f"shl.b32 s, {pair}, {sign_shift}; and.b32 s, s, 0x80008000; shl.b32 m, {pair}, {field_shift}; "
+                     "and.b32 m, m, 0x01C001C0; or.b32 v, s, m;")
         if not folded:
             lines.append("fma.rn.bf16x2 v, v, two126, negz;")
-        lo, hi = (4 * nibble + byte for byte, nibble in fp4_words.REGISTER_VALUES[register])
-        lines.append(f"fma.rn.bf16x2 v, v, sc, negz; mov.b32 {{${lo}, ${hi}}}, v;")
+        lines.append(f"fma.rn.bf16x2 {out}, v, {scale}, negz;")
     return "\n".join(lines + ["}"])
 
 
-_E2M1_WORD_TO_BF16 = tl.constexpr(_e2m1_word_to_bf16_asm(folded=False))
-_E2M1_WORD_TO_BF16_FOLDED = tl.constexpr(_e2m1_word_to_bf16_asm(folded=True))
-_DECODE_TERMS = tl.constexpr(fp4_words.DECODE_TERMS)
+_E2M1X4_TO_BF16 = tl.constexpr(_e2m1x4_to_bf16_asm(folded=False))
+_E2M1X4_TO_BF16_FOLDED = tl.constexpr(_e2m1x4_to_bf16_asm(folded=True))
 
 
 @triton.jit
-def _bytes_of_words(b0, b1, b2, b3):
-    """Four [G, 4, N] tensors, the values of bytes 0..3 of each word -> [G, 16, N], byte i of word w at 4w + i."""
-    G: tl.constexpr = b0.shape[0]
-    N: tl.constexpr = b0.shape[2]
-    four = tl.join(tl.join(b0, b2), tl.join(b1, b3))                 # [G, 4, N, 2, 2]: [.., a, b] is byte 2a + b
-    return tl.reshape(tl.permute(tl.reshape(four, (G, 4, N, 4)), (0, 1, 3, 2)), (G, 16, N))
-
-
-@triton.jit
-def _e2m1_words_bf16(words, s, FOLDED: tl.constexpr):
-    """Kernel-order e2m1 words [G, 4, N] (uint32) and their e8m0 scales [G, 1, N] -> (even k, odd k) bf16 values,
-    each [G, 16, N]. One word is one element of the inline PTX, so no register layout can split a word.
+def _e2m1_unpack_bf16(packed, s, FOLDED: tl.constexpr):
+    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values.
 
     FOLDED needs every s <= E8M0_FOLD_MAX: 2^(s - 127) * 2^126 = 2^(s - 1) is then a finite bf16.
     """
     if FOLDED:
         scale = ((s.to(tl.int16) + 126) << 7).to(tl.bfloat16, bitcast=True)    # 2^(s - 1)
-        asm: tl.constexpr = _E2M1_WORD_TO_BF16_FOLDED
+        asm: tl.constexpr = _E2M1X4_TO_BF16_FOLDED
     else:
         scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)            # 2^(s - 127)
-        asm: tl.constexpr = _E2M1_WORD_TO_BF16
-    v = tl.inline_asm_elementwise(asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, tl.broadcast_to(scale, words.shape)],
-                                  dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    return _bytes_of_words(v[0], v[1], v[2], v[3]), _bytes_of_words(v[4], v[5], v[6], v[7])
+        asm: tl.constexpr = _E2M1X4_TO_BF16
+    return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [packed, tl.broadcast_to(scale, packed.shape)],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
-def _rotl(words, rotation: tl.constexpr):
-    if rotation == 0:
-        out = words
-    else:
-        out = (words << rotation) | (words >> (32 - rotation))
-    return out
-
-
-@triton.jit
-def _decode_register(words, terms: tl.constexpr):
-    """One decode register of kernel-order words: the or of (words rotl r) & mask over its terms."""
-    register = _rotl(words, terms[0][0]) & terms[0][1]
-    for i in tl.static_range(1, len(terms)):
-        register |= _rotl(words, terms[i][0]) & terms[i][1]
-    return register
-
-
-@triton.jit
-def _half_x2pow14(register, HALF: tl.constexpr):
-    """Half HALF of a decode register (sign at 15, exponent and mantissa at 6..8) -> value * 2^-14 in fp32,
-    exactly: the fields move to their fp16 places, where code 1 (0.5) is the fp16 subnormal 2^-15."""
-    t = (register >> (16 * HALF)) & 0xFFFF
-    bits = (t & 0x8000) | ((t << 3) & 0x0E00)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e2m1_words(words, s, dtype: tl.constexpr):
-    """The same in Triton code, for fp16 (and the interpreter), from the same DECODE_TERMS, scaled in fp32.
-    Registers 0, 1 hold the low nibbles of bytes (0, 1) and (2, 3); registers 2, 3 the high nibbles."""
-    # 2^(s - 127) * 2^14 undoes the 2^-14 of _half_x2pow14; the exponent field s + 14 is finite for s <= 240
+def _e2m1_unpack(packed, s, dtype: tl.constexpr):
+    """The same in Triton code, for fp16 (and the interpreter): nibbles through fp16 bit patterns, fp32 scaling."""
+    t = packed.to(tl.int32)
+    # 2^(s - 127) * 2^14 undoes the 2^-14 of _e2m1_x2pow14; the exponent field s + 14 is finite for s <= 240
     # (group amax below 2^116: larger weights could not be fp16 MMA operands anyway).
     scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    r0 = _decode_register(words, _DECODE_TERMS[0])
-    r1 = _decode_register(words, _DECODE_TERMS[1])
-    r2 = _decode_register(words, _DECODE_TERMS[2])
-    r3 = _decode_register(words, _DECODE_TERMS[3])
-    even = _bytes_of_words(_half_x2pow14(r0, 0), _half_x2pow14(r0, 1), _half_x2pow14(r1, 0), _half_x2pow14(r1, 1))
-    odd = _bytes_of_words(_half_x2pow14(r2, 0), _half_x2pow14(r2, 1), _half_x2pow14(r3, 0), _half_x2pow14(r3, 1))
-    return (even * scale).to(dtype), (odd * scale).to(dtype)
+    return (_e2m1_x2pow14(t << 12) * scale).to(dtype), (_e2m1_x2pow14(t << 8) * scale).to(dtype)
 
 
 @triton.jit
-def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, stride_wsk, k0, K, W_FP4: tl.constexpr,
+def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
-    The packed tile is loaded as 32-bit words [groups, 4 words, BLOCK_N] (kernel bit order, fp4_words.py) so
-    each group's scale broadcasts along its words; Triton then gives neighbouring threads the neighbouring
-    words of one row, whole 32-byte sectors at BLOCK_K >= 64. Swapped, the decoded tile is permuted to
-    [BLOCK_N, groups, 16] for the MMA.
+    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] (swapped: [BLOCK_N, groups, 16 bytes], the
+    checkpoint's own order) so each group's scale broadcasts along its bytes.
     """
-    WORDS: tl.constexpr = MX_GROUP // 8
+    HALF: tl.constexpr = MX_GROUP // 2
     rows = w_rows.to(tl.int64)
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
-    mask = (g < K // MX_GROUP)[:, None] & col_ok[None, :]                     # [groups, BLOCK_N]
-    word = g[:, None, None] * WORDS + tl.arange(0, WORDS)[None, :, None]
-    words = tl.load(w_e.to(tl.pointer_type(tl.uint32)) + rows[None, None, :] * (stride_wn // 4) + word,
-                    mask=mask[:, None, :], other=0)
-    s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None] * stride_wsk, mask=mask, other=0)[:, None, :]
-    if a.dtype == tl.bfloat16:
-        w_even, w_odd = _e2m1_words_bf16(words, s, W_FP4 == 2)
-    else:
-        w_even, w_odd = _e2m1_words(words, s, a.dtype)
+    g_ok = g < K // MX_GROUP
+    half = tl.arange(0, HALF)
     if SWAP_AB:
-        w_even = tl.reshape(tl.permute(w_even, (2, 0, 1)), (BLOCK_N, BLOCK_K // 2))
-        w_odd = tl.reshape(tl.permute(w_odd, (2, 0, 1)), (BLOCK_N, BLOCK_K // 2))
+        mask = col_ok[:, None] & g_ok[None, :]                                 # [BLOCK_N, groups]
+        byte = g[None, :, None] * HALF + half[None, None, :]
+        packed = tl.load(w_e + rows[:, None, None] * stride_wn + byte, mask=mask[:, :, None], other=0)
+        s = tl.load(w_scale_e + rows[:, None] * stride_wsn + g[None, :], mask=mask, other=0)[:, :, None]
+        w_shape: tl.constexpr = (BLOCK_N, BLOCK_K // 2)
     else:
-        w_even = tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N))
-        w_odd = tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N))
+        mask = g_ok[:, None] & col_ok[None, :]                                 # [groups, BLOCK_N]
+        byte = g[:, None, None] * HALF + half[None, :, None]
+        packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
+        s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
+        w_shape: tl.constexpr = (BLOCK_K // 2, BLOCK_N)
+    if a.dtype == tl.bfloat16:
+        w_even, w_odd = _e2m1_unpack_bf16(packed, s, W_FP4 == 2)
+    else:
+        w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-    acc = _dot(a_even, w_even, acc, SWAP_AB)
-    return _dot(a_odd, w_odd, acc, SWAP_AB)
+    acc = _dot(a_even, tl.reshape(w_even, w_shape), acc, SWAP_AB)
+    return _dot(a_odd, tl.reshape(w_odd, w_shape), acc, SWAP_AB)
 
 
 @triton.jit
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn,
-            stride_wsk, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
+            k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
             W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
-        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, stride_wsk, k0, K, W_FP4,
-                       BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4, BLOCK_M,
+                       BLOCK_N, BLOCK_K, SWAP_AB)
     else:
         w_off = w_rows.to(tl.int64) * stride_wn
         if SWAP_AB:
@@ -322,7 +284,7 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
         sa, sw = 1.0, 1.0  # unused unless block/group-scaled
         if W_SCALE >= 3:
             sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn,
-                                  stride_wsk, k0, A_SCALE, W_SCALE)
+                                  k0, A_SCALE, W_SCALE)
         acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W, SWAP_AB)
     return acc
 
@@ -432,14 +394,13 @@ def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, num_m_blocks, N, K, top_k,
-        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_om,
+        num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha):
+        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -452,26 +413,16 @@ def gemm1_gated_kernel(
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if INTERLEAVED:
-        gate_rows = 2 * cols
-        up_rows = gate_rows + 1
-    else:
-        gate_rows = cols
-        up_rows = cols + N
-    # Gated, one weight tile holds the BLOCK_N gate rows and the BLOCK_N up rows of the same columns, so each
-    # K step is one MMA of twice the width: two half-width MMAs re-read the A tile from shared memory. On the
-    # H100 the GEMMs ran 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below
-    # (bench/results, session 23). Interleaved, those are 2 * BLOCK_N consecutive rows (gate, up, gate, ...),
-    # so the tile's rows, biases and group-major MX scales are contiguous runs.
+    gate_rows = cols * gate_row_step
+    up_rows = gate_rows + up_row_offset
+    # Gated, one weight tile holds the BLOCK_N gate rows then the BLOCK_N up rows, so each K step is one MMA
+    # of twice the width: two half-width MMAs re-read the A tile from shared memory. On the H100 the GEMMs ran
+    # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
     W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     j = tl.arange(0, W_COLS)
-    if INTERLEAVED:
-        w_rows = pid_n * W_COLS + j
-        w_ok = w_rows < 2 * N
-    else:
-        w_cols = pid_n * BLOCK_N + j % BLOCK_N
-        w_rows = w_cols + (j // BLOCK_N) * N
-        w_ok = w_cols < N
+    w_cols = pid_n * BLOCK_N + j % BLOCK_N
+    w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
+    w_ok = w_cols < N
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
@@ -480,12 +431,10 @@ def gemm1_gated_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, stride_wn,
-                      stride_wsn, stride_wsk, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, W_COLS,
-                      BLOCK_K, SWAP_AB)
+                      stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, W_COLS, BLOCK_K,
+                      SWAP_AB)
     acc = _acc_rows_first(acc, SWAP_AB)
-    if INTERLEAVED:
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    elif GATED:
+    if GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         acc_g = acc
@@ -510,7 +459,7 @@ def gemm2_weighted_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
         num_slots, num_m_blocks, N, K,
-        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be, stride_om,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -532,8 +481,7 @@ def gemm2_weighted_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
-                      stride_wsk, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K,
-                      SWAP_AB)
+                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

@@ -13,7 +13,6 @@ import torch
 import triton
 
 from moerules.activation import Activation, SwigluParams
-from moerules.errors import KernelInputError
 from moerules.quant import Granularity
 
 from ..activations import is_interleaved
@@ -37,14 +36,7 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 _SHRINK_BLOCK_K = 128
 
 
-def _check_fp4_order(weights: MoEWeights) -> None:
-    if weights.scheme.k_pack == 2 and not weights.fp4_kernel_order:
-        raise KernelInputError("MXFP4 weights reach the Triton GEMMs in fp4_words' kernel bit order, and these are in "
-                               "the checkpoint's: call weights.use_kernel_layout() once first (build_layer does)")
-
-
 def _scheme_flags(weights: MoEWeights) -> dict:
-    _check_fp4_order(weights)
     scheme = weights.scheme
     return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
                 UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
@@ -52,17 +44,14 @@ def _scheme_flags(weights: MoEWeights) -> dict:
                 ACC_INT=scheme.act_torch_dtype == torch.int8)
 
 
-def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int, int]:
-    """(per-expert or per-row, per-N-row, per-K-group) strides of a scale tensor in the layouts of quantize.py.
+def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(per-expert or per-row stride, per-N-row stride) of a scale tensor in the layouts of quantize.py.
 
-    Weight scales [E, N/128, K/128] (block) and [E, N, K/32] (MX) share the third form, whatever their
-    memory order (MX scales are stored group-major for the kernels: `MoEWeights.mx_scales_group_major`).
+    Weight scales [E, N/128, K/128] (block) and [E, N, K/32] (MX) share the second form.
     """
     if scale is None or scale.dim() == 1:
-        return 1, 0, 0
-    if scale.dim() == 2:
-        return scale.stride(0), 1, 0
-    return scale.stride(0), scale.stride(1), scale.stride(2)
+        return 1, 0
+    return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:
@@ -119,7 +108,6 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     rows are neutral for the intermediate's scales and the top-k sum. Off EP they stay empty.
     `weights.lora`, when set, adds its deltas; x_q is then unquantised (build refuses LoRA otherwise).
     """
-    _check_fp4_order(weights)  # before any kernel: the alignment below already launches one
     alloc = torch.zeros if remote_slots else torch.empty
     # The kernels step through rows by stride(0) and read each row, and the router weights, as contiguous:
     # a strided view (a transposed x, a column slice) would be read wrongly, so it is copied (no-op otherwise).
@@ -164,19 +152,19 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     """
     dummy = weights.w13
     bias = weights.w13_bias if weights.has_bias else dummy
-    s_e, s_n, s_k = _scale_strides(weights.w13_scale)
+    s_e, s_n = _scale_strides(weights.w13_scale)
     I, H = weights.intermediate, weights.hidden
+    interleaved = is_interleaved(activation)
     g = cfg.gemm1
     gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g.BLOCK_N),)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
         weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
         align.sorted_ids, align.expert_ids, align.num_post_padded,
-        out.shape[0], align.num_blocks, I, H, top_k,
+        out.shape[0], align.num_blocks, I, H, top_k, 2 if interleaved else 1, 1 if interleaved else I,
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
-        weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, s_k, bias.stride(0), out.stride(0),
+        weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated,
-        INTERLEAVED=is_interleaved(activation), **(lora or _no_lora(dummy)),
+        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
 
 
@@ -189,7 +177,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     """
     dummy = weights.w13
     bias = weights.w2_bias if weights.has_bias else dummy
-    s_e, s_n, s_k = _scale_strides(weights.w2_scale)
+    s_e, s_n = _scale_strides(weights.w2_scale)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
@@ -198,6 +186,6 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         align.sorted_ids, align.expert_ids, align.num_post_padded,
         out.shape[0], align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
-        weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, s_k, bias.stride(0), out.stride(0),
+        weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights), **_launch_kwargs(g),
         **(lora or _no_lora(dummy)))

@@ -21,15 +21,13 @@ from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_in
 
 from moerules import build, decide
 from moerules.activation import Activation, Dtype
-from moerules.errors import KernelInputError, KernelUnavailableError
+from moerules.errors import KernelUnavailableError
 from moerules.kernels import KernelBuildError, build_layer, make_random_weights
 from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, E8M0_FOLD_MAX, dequantize_mx, e2m1_decode,
                                  e2m1_encode, e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
 from moerules.kernels.scheme import Scheme
-from moerules.kernels.external.oai_layout import to_oai_layout
 from moerules.kernels.triton.config import default_config
-from moerules.kernels.triton.launch import fused_moe
 from moerules.quant import Granularity as G
 
 MXFP4 = "mxfp4_w4a16/group32"
@@ -350,83 +348,6 @@ def test_mxfp8_decision_carries_its_block_to_the_build():
     with pytest.raises(KernelUnavailableError, match=r"weight_block=0 disagrees with the weights' scheme "
                                                      r"mxfp8/group32/group32 \(K-block 32\)"):
         build(unset, weights)
-
-
-# ---- the kernel layout of MX weights ------------------------------------------------------------
-
-def _group_major(scale: torch.Tensor) -> bool:
-    """[E, N, K/32] values stored as [E, K/32, N]."""
-    return scale.transpose(1, 2).is_contiguous() and not scale.is_contiguous()
-
-
-@pytest.mark.parametrize("cell", MX_CELLS)
-def test_kernel_layout_keeps_every_value_and_is_made_once(cell):
-    weights = _weights(cell)
-    before = {name: getattr(weights, name).clone() for name in ("w13", "w2", "w13_scale", "w2_scale")}
-    weights.use_kernel_layout()
-    for name in ("w13_scale", "w2_scale"):
-        assert _group_major(getattr(weights, name)) and torch.equal(getattr(weights, name), before[name])
-    fp4 = cell == MXFP4
-    assert weights.fp4_kernel_order is fp4
-    for name in ("w13", "w2"):
-        assert torch.equal(weights.checkpoint_packed(name), before[name])
-        assert torch.equal(getattr(weights, name), before[name]) is not fp4       # MXFP4 words moved their bits
-    stored = {name: getattr(weights, name).data_ptr() for name in before}
-    weights.use_kernel_layout()
-    assert {name: getattr(weights, name).data_ptr() for name in before} == stored   # a second call copies nothing
-    assert weights.checksum() == _weights(cell).checksum()          # the digest EP ranks compare is unchanged
-    assert dataclasses.replace(weights).fp4_kernel_order is fp4      # sharding's copies keep the order
-
-
-def test_kernel_layout_leaves_other_schemes_alone():
-    weights = _weights("fp8_w8a8/block128/group128", H=256, I=128)
-    tensors = (weights.w13, weights.w13_scale)
-    weights.use_kernel_layout()
-    assert (weights.w13, weights.w13_scale) == tensors and not weights.fp4_kernel_order
-
-
-def test_the_reference_and_triton_kernels_layout_read_kernel_order_words_as_the_checkpoint():
-    checkpoint, kernel = _weights(MXFP4), _weights(MXFP4)
-    kernel.use_kernel_layout()
-    layers = [_build(MXFP4, 32, weights=w) for w in (checkpoint, kernel)]
-    x, ids, w = random_inputs(layers[0], 9, 2)
-    torch.testing.assert_close(layers[1](x, topk_ids=ids, topk_weights=w), layers[0](x, topk_ids=ids, topk_weights=w),
-                               rtol=0, atol=0)
-    ours, theirs = (to_oai_layout(w) for w in (checkpoint, kernel))
-    assert torch.equal(ours.w13, theirs.w13) and torch.equal(ours.w2, theirs.w2)
-
-
-@pytest.mark.parametrize("cell", MX_CELLS)
-def test_triton_build_converts_mx_weights_and_reads_scales_in_any_order(cell, poison_empty):
-    """Built, the layer holds the kernel layout; the GEMMs read MX scales by all three strides, so
-    row-major scales give the same bits, and both match the reference."""
-    layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
-                       device=DEVICE)
-    assert _group_major(layer.weights.w13_scale) and _group_major(layer.weights.w2_scale)
-    assert layer.weights.fp4_kernel_order is (cell == MXFP4)
-    x, ids, w = random_inputs(layer, 37, 4, device=DEVICE)
-    out = layer(x, topk_ids=ids, topk_weights=w)
-    assert rel_err(out, reference64(layer, x, ids, w)) < tol(cell)
-    layer.weights.w13_scale = layer.weights.w13_scale.contiguous()
-    layer.weights.w2_scale = layer.weights.w2_scale.contiguous()
-    torch.testing.assert_close(layer(x, topk_ids=ids, topk_weights=w), out, rtol=0, atol=0)
-
-
-def test_triton_gemms_refuse_checkpoint_order_mxfp4():
-    weights = _weights(MXFP4)
-    ids = torch.zeros(3, 1, dtype=torch.int32)
-    with pytest.raises(KernelInputError) as info:
-        fused_moe(torch.zeros(3, 96, dtype=torch.float16), a_scale=None, weights=weights, topk_ids=ids,
-                  topk_weights=torch.ones(3, 1), activation=Activation.silu, quantize_intermediate=lambda t: (t, None),
-                  out_dtype=torch.float16)
-    assert str(info.value) == ("MXFP4 weights reach the Triton GEMMs in fp4_words' kernel bit order, and these are in "
-                               "the checkpoint's: call weights.use_kernel_layout() once first (build_layer does)")
-
-
-def test_a_strided_scale_that_is_not_3d_is_still_refused():
-    weights = _weights("fp8_w8a8/channel/token")
-    with pytest.raises(KernelInputError, match=r"MoEWeights.w13_scale \(4, 128\) has strides \(1, 4\)"):
-        dataclasses.replace(weights, w13_scale=weights.w13_scale.t().contiguous().t())
 
 
 def _mxfp4_weights_with_scale(top: int, *, device=DEVICE):

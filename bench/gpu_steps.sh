@@ -10,7 +10,8 @@
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four), TUNE_SECONDS per model (default 140), TUNE_SCHEMES and TUNE_MS (default the whole M grid) fit it
 #             into several calls
-#   tests_mx  the MX kernel tests alone, with the MX cells' tile variants (the bf16 MXFP4 decode's PTX runs only here)
+#   tests_mx  the MX kernel tests alone, with the MX cells' tile variants and decision-walk layers (the bf16 MXFP4
+#             decode's PTX runs only here)
 #   compare_mx  MXFP4 forward of the code in carry/base (`git archive BASE moerules kernels engine rules
 #             pyproject.toml | tar -x -C carry/base`) and of this tree, in one session, this tree's rows with their
 #             ratio to the base's (COMPARE_MS, default 16 256 4096; both gpt-oss)
@@ -70,8 +71,8 @@ tk() {
 }
 tests_mx() {
   timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py \
-    tests/kernels/test_fp4_words.py tests/kernels/test_fused_moe.py -k "mx or fp4 or e2m1" -q -n 8 -p no:benchmark \
-    -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
+    tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1" -q -n 8 --tb=line \
+    -p no:benchmark -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest.log"
 }
 compare_mx() {
   local args="--phase bench --models gpt-oss-120b gpt-oss-20b --schemes mxfp4 --ms ${COMPARE_MS:-16 256 4096}"

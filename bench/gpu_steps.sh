@@ -17,6 +17,8 @@
 #             ratio to the base's (COMPARE_MS, default 16 256 4096; both gpt-oss)
 #   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
 #             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
+#   profile_mx  ncu (hardware counters, clocks left alone) of triton_kernels' and our MXFP4 GEMMs, once each, on
+#             PROFILE_MODELS (default gpt-oss-120b) at PROFILE_MS (default 256): bench/tk_mxfp4.py --profile
 #   tune_mx   tune MXFP4 on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64 256), TUNE_SECONDS each
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
@@ -68,6 +70,14 @@ tk() {
   local name=tk${TK_NAME:-}
   timeout "${TK_SECONDS:-240}" python3 bench/tk_mxfp4.py --tk-dir carry/triton_kernels --rounds 2 --out "$out/$name" \
     ${TK_ARGS:-} > "$out/$name.log" 2>&1
+}
+profile_mx() {
+  local sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+  # shellcheck disable=SC2086
+  timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --profile-from-start off -k "regex:gemm|matmul" \
+    $sections --section SchedulerStats --section MemoryWorkloadAnalysis python3 bench/tk_mxfp4.py --profile \
+    --tk-dir carry/triton_kernels --models ${PROFILE_MODELS:-gpt-oss-120b} --ms ${PROFILE_MS:-256} \
+    --out "$out/profile" > "$out/ncu_mx.log" 2>&1
 }
 tests_mx() {
   timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py \

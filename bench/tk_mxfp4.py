@@ -295,26 +295,52 @@ class TkSideBySide:
         self.layouts: dict = {}
         self.bench.log(f"triton_kernels: {tk.source}")
 
-    def run(self) -> bool:
+    def models(self):
+        """(name, our layer, their MoE) per model, each built once (a model's weights take a few GB at most)."""
         for name in self.bench.models:
             layer = self.bench.layer(name, self.cell, "triton.fused_moe")
             tk_weights = to_tk_weights(self.tk, layer.weights, layouts=hopper_layouts(self.tk))
             self.layouts = tk_weights.layouts()
-            moe = TkMoE(self.tk, tk_weights, layer.experts.swiglu)
+            yield name, layer, TkMoE(self.tk, tk_weights, layer.experts.swiglu)
+
+    def run(self) -> bool:
+        for name, layer, moe in self.models():
             for M in self.ms:
                 self.rows.append(self.point(name, layer, moe, M))
                 self.bench.log(row_line(self.rows[-1]))
                 self.save()
-            del moe, tk_weights, layer
-            torch.cuda.empty_cache()
         print(self.table(), flush=True)
         return all(r["ok"] for r in self.rows)
 
+    def profile(self) -> bool:
+        """--profile: per model and M, both sides checked and warmed up, then each side's two GEMMs once between
+        cudaProfilerStart and Stop, which is all that `ncu --profile-from-start off` profiles (gpu_steps.sh
+        profile_mx). Nothing is timed."""
+        ok = True
+        for name, layer, moe in self.models():
+            for M in self.ms:
+                tk_side, our_side = self.sides(name, layer, moe, M)
+                row = self.check(name, M, tk_side, our_side)
+                ok &= row["ok"]
+                tk_side.gemms(), our_side.gemms()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStart()
+                tk_side.gemms(), our_side.gemms()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+                self.bench.log(f"{'ok  ' if row['ok'] else 'FAIL'} {name} M={M}: profiled triton_kernels' GEMMs, then "
+                               f"ours (rel err out {row['rel_err']:.1e}, GEMM1 {row['gemm1_rel_err']:.1e})")
+        return ok
+
+    def sides(self, name: str, layer, moe: TkMoE, M: int) -> tuple[Contender, Contender]:
+        """Both sides at one point, on the same inputs."""
+        x, ids, weights = self.bench.inputs(name, M)
+        weights = weights.to(torch.bfloat16).float()  # the same values on both sides (doc)
+        return theirs(self.tk, moe, x, ids, weights), ours(layer, x, ids, weights)
+
     def point(self, name: str, layer, moe: TkMoE, M: int) -> dict:
         try:
-            x, ids, weights = self.bench.inputs(name, M)
-            weights = weights.to(torch.bfloat16).float()  # the same values on both sides (doc)
-            tk_side, our_side = theirs(self.tk, moe, x, ids, weights), ours(layer, x, ids, weights)
+            tk_side, our_side = self.sides(name, layer, moe, M)
             row = self.check(name, M, tk_side, our_side)
             row.update(self.timings(tk_side, our_side))
         except torch.OutOfMemoryError:
@@ -398,6 +424,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="time each side this many times, alternating which goes first; keep each side's fastest")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/tk_mxfp4"))
+    p.add_argument("--profile", action="store_true",
+                   help="time nothing: run each side's GEMMs once inside cudaProfilerStart/Stop, for ncu "
+                        "--profile-from-start off (bench/gpu_steps.sh profile_mx)")
     return p.parse_args(argv)
 
 
@@ -409,7 +438,8 @@ def main(argv=None) -> int:
         sys.exit(f"bench/tk_mxfp4.py: {exc}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/tk_mxfp4.py: needs an sm_90 GPU (H100/H200): it models vLLM's Hopper path of triton_kernels")
-    ok = TkSideBySide(args, tk).run()
+    side_by_side = TkSideBySide(args, tk)
+    ok = side_by_side.profile() if args.profile else side_by_side.run()
     if not ok:
         print("FAIL: at the points marked FAIL (the two sides disagree) or ERR above", file=sys.stderr)
     return 0 if ok else 1

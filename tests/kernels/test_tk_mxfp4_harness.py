@@ -306,3 +306,32 @@ def test_each_gemm_gets_its_arguments_and_gemm1_rows_return_to_our_slots(tkm, tk
     assert set(ids_dtypes) == {torch.int32}
     slots = torch.arange(M * k, dtype=torch.bfloat16)[:, None].expand(M * k, I)
     assert torch.equal(side.gemm1_out, slots)  # row r of theirs compared with our slot gather.src_indx[r]
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_profile_window_holds_one_call_of_each_sides_gemms_and_nothing_else(tkm, monkeypatch, agree):
+    """--profile: `ncu --profile-from-start off` counts what runs between cudaProfilerStart and Stop, so the
+    window holds each side's two GEMMs once, after a warm-up call (compilation) outside it; sides that disagree
+    are still profiled and make the run fail."""
+    events = []
+
+    class Side:
+        def __init__(self, who):
+            self.who = who
+
+        def gemms(self):
+            events.append(self.who)
+
+    side_by_side = object.__new__(tkm.TkSideBySide)
+    side_by_side.ms = [256]
+    side_by_side.bench = types.SimpleNamespace(log=lambda line: events.append(line.split()[0]))
+    monkeypatch.setattr(side_by_side, "models", lambda: iter([("gpt-oss-120b", "layer", "moe")]))
+    monkeypatch.setattr(side_by_side, "sides", lambda name, layer, moe, M: (Side("tk"), Side("ours")))
+    monkeypatch.setattr(side_by_side, "check", lambda name, M, tk, ours: {"ok": agree, "rel_err": 0.0,
+                                                                          "gemm1_rel_err": 0.0})
+    cudart = types.SimpleNamespace(cudaProfilerStart=lambda: events.append("start"),
+                                   cudaProfilerStop=lambda: events.append("stop"))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    assert side_by_side.profile() is agree
+    assert events == ["tk", "ours", "sync", "start", "tk", "ours", "sync", "stop", "ok" if agree else "FAIL"]

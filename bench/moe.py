@@ -427,13 +427,23 @@ class Bench:
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
         for which in ("gemm1", "gemm2"):
             for field in self.args.fields or self.FIELDS:
-                g = getattr(best[1], which)
-                values = self.field_values(field, getattr(g, field), m_blocks, gemv=best[1].BLOCK_M == 1)
-                cfgs = [replace(best[1], **{which: replace(g, **{field: v})}) for v in values]
+                moves = self.moves(getattr(best[1], which), field, m_blocks, gemv=best[1].BLOCK_M == 1)
+                cfgs = [replace(best[1], **{which: g}) for g in moves]
                 found = self.pick(run, self.valid(cfgs, scheme))
                 if found and found[0] < best[0]:
                     best = found
         return best
+
+    def moves(self, g: GemmConfig, field: str, m_blocks: int, *, gemv: bool) -> list[GemmConfig]:
+        """g with `field` moved to each of its values; a BLOCK_N move also comes with num_warps moved in step (the
+        columns per warp kept), since one field at a time cannot reach it: a wider tile at the same warps holds a
+        wider accumulator per thread (gpt-oss-20b M=256, MXFP4 GEMM1 at 32x128x32: 144 registers at 4 warps, 113 at
+        8; bench/results/s26)."""
+        moved = [replace(g, **{field: v}) for v in self.field_values(field, getattr(g, field), m_blocks, gemv=gemv)]
+        if field == "BLOCK_N" and not gemv:
+            moved += [replace(m, num_warps=g.num_warps * m.BLOCK_N // g.BLOCK_N) for m in moved
+                      if g.num_warps * m.BLOCK_N // g.BLOCK_N in self.WARPS]
+        return moved
 
     def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool) -> list:
         if field == "BLOCK_N":

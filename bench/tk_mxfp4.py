@@ -2,6 +2,7 @@
 
     bash bench/get_triton_kernels.sh        # once: the unmodified package -> carry/triton_kernels/triton_kernels
     python bench/tk_mxfp4.py --out DIR [--tk-dir carry/triton_kernels] [--models ..] [--ms ..] [--rounds 3]
+    ncu --profile-from-start off ... python bench/tk_mxfp4.py --profile ...   # bench/gpu_steps.sh profile_mx
 
 GPU only (sm_90): triton_kernels' Hopper MXFP4 path (inline PTX upcasts, its topk launcher) does not run in the
 Triton interpreter, so there is no --smoke; the CPU-testable parts are in tests/kernels/test_tk_mxfp4_harness.py.
@@ -322,10 +323,12 @@ class TkSideBySide:
                 tk_side, our_side = self.sides(name, layer, moe, M)
                 row = self.check(name, M, tk_side, our_side)
                 ok &= row["ok"]
-                tk_side.gemms(), our_side.gemms()
+                for side in (tk_side, our_side):  # warm-up: compilation stays outside the profiled window
+                    side.gemms()
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStart()
-                tk_side.gemms(), our_side.gemms()
+                for side in (tk_side, our_side):
+                    side.gemms()
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStop()
                 self.bench.log(f"{'ok  ' if row['ok'] else 'FAIL'} {name} M={M}: profiled triton_kernels' GEMMs, then "

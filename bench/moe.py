@@ -35,6 +35,7 @@ import argparse
 import csv
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -335,16 +336,23 @@ class Bench:
     # program holds no MMA tile, so its space reaches narrower N tiles, deeper K steps and no pipelining.
     GEMV_SEEDS = ((16, 256), (32, 128))  # (BLOCK_N, BLOCK_K) per 2-byte weight; 8-bit and fp4 weights double K
     GEMV_BLOCK_N_MIN, GEMV_BLOCK_K_MAX = 8, 1024
+    # triton_kernels' MXFP4 tile on Hopper (opt_flags_nvidia.py, sglang-kernel 0.4.5): 2 * num_warps * 2 * 8 weight rows
+    # on wgmma's M side (SWAP_AB; gated GEMM1: half gate, half up), the dequantised weights fed from registers,
+    # 128-deep K steps; with it triton_kernels' MoE ran 1.2-1.7x faster than our tuned mma.sync tiles at M = 16-4096
+    # on the H200 (bench/results/s26).
+    # With 4 warps, the same tile at half the rows.
+    TK_MXFP4_TILES = ({"weight_rows": 256, "num_warps": 8}, {"weight_rows": 128, "num_warps": 4})
     CONFIRM_ROUNDS = 3  # the winner against the config in use, timed alternately (`tune`)
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
-        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2} and (at most one row
-        per expert) GEMV tiles; then one coordinate sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M,
-        num_warps, num_stages and SWAP_AB, keeping each field's best before the next (--fields: only
-        those, from the config in use). A config replaces the one in use only if its output matches the one in
-        use within the scheme's tolerance and it stays faster when the two are timed again, alternating which
-        goes first, CONFIRM_ROUNDS times (`fastest_alternating`): single timings drift at large M."""
+        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most one
+        row per expert) or else, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
+        sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB, keeping each
+        field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
+        replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
+        faster when the two are timed again, alternating which goes first, CONFIRM_ROUNDS times
+        (`fastest_alternating`): single timings drift at large M."""
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
@@ -366,11 +374,14 @@ class Bench:
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
                     seeds = self.seeds(M, model, w, sname, only_in_use=bool(self.args.fields))
-                    start = self.pick(run, list(seeds))
+                    seed_us: dict = {}
+                    start = self.pick(run, list(seeds), seed_us)
                     if start is None:
                         self.log(f"not tuned {name} {sname} M={M}: no seed config ran (see the skips above)")
                         continue
-                    best = self.sweep(run, start, M, model, w.scheme)
+                    self.log(f"  seeds {name} {sname} M={M}: " +
+                             "; ".join(f"{seeds[c]} {t:.1f} us" for c, t in seed_us.items()))
+                    best = start if self.args.seeds_only else self.sweep(run, start, M, model, w.scheme)
                     in_use = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
                     rejected = self.rejection(run, best, in_use, cell) if best[1] != in_use else None
                     if rejected:
@@ -398,7 +409,8 @@ class Bench:
 
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
-        seeds and (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
+        seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use) and (--peer-configs) vLLM's; a
+        config that is several of these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
         if only_in_use:
@@ -409,11 +421,26 @@ class Bench:
                   if 16 <= bm <= 128]
         if M * model.k <= model.E:
             named += [(self.gemv_config(bn, bk, scheme), f"GEMV N{bn} K{bk}") for bn, bk in self.GEMV_SEEDS]
+        if scheme.is_mx and scheme.k_pack > 1:
+            for tile in self.TK_MXFP4_TILES:
+                tk = self.tk_mxfp4_config(M * model.k / model.E, gated=model.activation.gated, **tile)
+                named.append((tk, f"triton_kernels' tile, {tile['num_warps']} warps"))
+                if cur.BLOCK_M >= 16:
+                    named.append((replace(tk, BLOCK_M=cur.BLOCK_M), f"the same at BLOCK_M {cur.BLOCK_M}"))
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
         if peer:
             named.append((peer, "vLLM's"))
         valid = self.valid([c for c, _ in named], scheme)
         return {c: name for c, name in reversed(named) if c in valid}  # reversed: the first name wins
+
+    def tk_mxfp4_config(self, rows_per_expert: float, *, gated: bool, weight_rows: int, num_warps: int) -> MoEConfig:
+        """triton_kernels' Hopper MXFP4 tile (TK_MXFP4_TILES) at its BLOCK_M for these rows per expert (opt_flags.py:
+        the power of two holding twice the mean rows, 16 to 64, while they are at most 64; else the mean, up to 128)."""
+        rows = 2 * rows_per_expert if rows_per_expert <= 64 else rows_per_expert
+        block_m = min(max(16, 1 << (math.ceil(rows) - 1).bit_length()), 64 if rows_per_expert <= 64 else 128)
+        tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=num_warps, num_stages=3, SWAP_AB=True)
+        return MoEConfig(BLOCK_M=block_m, gemm1=GemmConfig(BLOCK_N=weight_rows // 2 if gated else weight_rows, **tile),
+                         gemm2=GemmConfig(BLOCK_N=weight_rows, **tile))
 
     def gemv_config(self, block_n: int, block_k: int, scheme: Scheme) -> MoEConfig:
         block_k *= 2 if _operand_bytes(scheme)[0] < 2 else 1
@@ -490,7 +517,8 @@ class Bench:
             (CONFIG_DIR / key).write_text(json.dumps(table, indent=1) + "\n")
             _load_file.cache_clear()
 
-    def pick(self, run, cfgs):
+    def pick(self, run, cfgs, times: Optional[dict] = None):
+        """The fastest (µs, config) of cfgs, or None if none ran; `times` collects every config's µs."""
         best = None
         for cfg in cfgs:
             try:
@@ -498,6 +526,8 @@ class Bench:
             except Exception as exc:  # out of shared memory etc.: a config the GPU cannot run
                 self.log(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
+            if times is not None:
+                times[cfg] = t
             if best is None or t < best[0]:
                 best = (t, cfg)
         return best
@@ -666,6 +696,8 @@ def main(argv=None):
                         "bench/get_vllm_triton.sh puts them in carry/vllm033), translated to our tiles")
     p.add_argument("--fields", nargs="+", choices=Bench.FIELDS,
                    help="tune: sweep only these GemmConfig fields, from the config in use (no other seeds)")
+    p.add_argument("--seeds-only", action="store_true",
+                   help="tune: keep the fastest seed (checked and confirmed as any winner), without the sweep")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":

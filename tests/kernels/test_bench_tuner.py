@@ -29,3 +29,25 @@ def test_other_fields_and_gemv_tiles_move_alone(tuner):
     assert tuner.moves(g, "num_warps", 32, gemv=False) == [GemmConfig(64, 32, 1, 8, 5)]
     gemv = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
     assert tuner.moves(gemv, "BLOCK_N", 1, gemv=True) == [GemmConfig(8, 512, 1, 4, 2), GemmConfig(32, 512, 1, 4, 2)]
+
+
+@pytest.mark.parametrize("rows_per_expert, block_m", [(2, 16), (8, 16), (12, 32), (32, 64), (64, 64), (128, 128),
+                                                      (512, 128)])
+def test_triton_kernels_mxfp4_seed_takes_its_block_m(tuner, rows_per_expert, block_m):
+    """opt_flags.py: twice the mean rows per expert while they are at most 64 (16..64), else the mean (up to 128)."""
+    assert tuner.tk_mxfp4_config(rows_per_expert, gated=True, weight_rows=256, num_warps=8).BLOCK_M == block_m
+
+
+def test_triton_kernels_mxfp4_seed_is_a_swapped_wgmma_tile_that_fits(tuner):
+    """256 weight rows on the MMA's M side (gated GEMM1: 128 gate + 128 up), 128-deep K steps, 8 warps; and
+    valid for MXFP4 (the tuner would drop a seed that check_config or shared memory rejects)."""
+    from moerules.kernels.scheme import Scheme
+    from moerules.quant import QuantConfig
+    from moerules.quant import QuantFamily as F
+    cfg = tuner.tk_mxfp4_config(32, gated=True, weight_rows=256, num_warps=8)
+    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3, SWAP_AB=True)
+    assert (cfg.gemm1, cfg.gemm2) == (GemmConfig(BLOCK_N=128, **tile), GemmConfig(BLOCK_N=256, **tile))
+    assert tuner.tk_mxfp4_config(32, gated=False, weight_rows=128, num_warps=4).gemm1.BLOCK_N == 128
+    mxfp4 = Scheme.from_quant(QuantConfig(family=F.mxfp4_w4a16))
+    tuner.smoke = False
+    assert tuner.valid([cfg], mxfp4) == [cfg]

@@ -17,7 +17,8 @@ import dataclasses
 import pytest
 import torch
 from decision_helpers import config, cuda
-from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, reference64, rel_err
+from kernel_helpers import (DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, reference64, rel_err,
+                            run_with_config)
 
 from moerules import build, decide
 from moerules.activation import Activation, Dtype
@@ -27,7 +28,7 @@ from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, E8M0_FOLD_MA
                                  e2m1_encode, e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
 from moerules.kernels.scheme import Scheme
-from moerules.kernels.triton.config import default_config
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, default_config
 from moerules.quant import Granularity as G
 
 MXFP4 = "mxfp4_w4a16/group32"
@@ -374,6 +375,20 @@ def test_triton_mxfp4_large_scales_match_reference(top, poison_empty):
                        weights=weights, device=DEVICE)
     assert layer.weights.fp4_scales_fold is (top <= E8M0_FOLD_MAX)
     x, ids, w = random_inputs(layer, 21, 4, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP4)
+
+
+@pytest.mark.parametrize("weight_rows,num_warps,block_m", [(128, 4, 32), (256, 8, 64)])
+def test_triton_mxfp4_wgmma_tiles(weight_rows, num_warps, block_m, poison_empty, monkeypatch):
+    """triton_kernels' Hopper tile (bench/moe.py TK_MXFP4_TILES): weight rows on the MMA's M side, which on sm_90
+    is wgmma fed the decoded weights from registers; 128-deep K steps, masked past K=288; several column tiles."""
+    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=num_warps, num_stages=3, SWAP_AB=True)
+    tk_tile = MoEConfig(BLOCK_M=block_m, gemm1=GemmConfig(BLOCK_N=weight_rows // 2, **tile),
+                        gemm2=GemmConfig(BLOCK_N=weight_rows, **tile))
+    run_with_config(monkeypatch, lambda cfg: tk_tile)
+    layer = make_layer("triton.fused_moe", MXFP4, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
+                       E=8, H=288, I=192, device=DEVICE)
+    x, ids, w = random_inputs(layer, 77, 4, device=DEVICE)
     assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP4)
 
 

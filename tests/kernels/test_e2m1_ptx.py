@@ -67,6 +67,8 @@ def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
             regs[dst] = _prmt(*x)
         elif op == "shl.b32":
             regs[dst] = (x[0] << x[1]) & MASK32
+        elif op == "shr.b32":
+            regs[dst] = x[0] >> x[1]           # logical: zeros come in at the top
         elif op == "and.b32":
             regs[dst] = x[0] & x[1]
         elif op == "or.b32":

@@ -10,7 +10,7 @@ the arguments and Triton's specialisations (ints equal to 1 become constants, mu
 hints) are those a GPU run would compile; the alignment kernel is replaced by its shapes. Each launch is then
 compiled for sm_90 with the ptxas of the triton wheel and disassembled. Printed per GEMM: the config, the main
 loop (the longest backward branch of the SASS: the K loop), its instructions per weight per thread, registers
-(occupancy), shared memory, the MMA instruction and the loop's memory instructions.
+(occupancy), shared memory, the MMA instruction, the loop's memory instructions and what it waits on.
 
 It times nothing: GPU time is scarce (30 minutes a session). It tells, before a device run, whether a change
 cuts the instructions a decode-bound kernel issues and what it costs in registers. Session 26 found that a 20%
@@ -51,6 +51,8 @@ _POINTER = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
             torch.int32: "i32", torch.int64: "i64"}
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 _MEMORY_OPS = ("LDG", "LDS", "STS", "LDSM", "STSM", "LDL", "STL")
+# What a K step waits on: barriers, wgmma completions, the fences before wgmma reads a freshly stored tile.
+_SYNC_OPS = ("BAR", "WARPGROUP.DEPBAR", "MEMBAR", "FENCE")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*);")
 
 
@@ -162,11 +164,12 @@ def count(item: Launch, workdir: Path) -> dict:
     ops = Counter(loop)
     mma = sorted({op.split(".")[0] for op in ops if "MMA" in op})
     memory = {op: n for op, n in sorted(ops.items()) if op.startswith(_MEMORY_OPS)}
+    syncs = {op: n for op, n in sorted(ops.items()) if op.startswith(_SYNC_OPS)}
     return {"kernel": compiled.name, "BLOCK_M": k["BLOCK_M"], "BLOCK_N": k["BLOCK_N"], "BLOCK_K": k["BLOCK_K"],
             "warps": k["num_warps"], "stages": k["num_stages"], "swap_ab": k["SWAP_AB"],
             "loop_instructions": len(loop), "per_weight": round(len(loop) / weights_per_thread, 2),
             "registers": registers, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared, "mma": mma,
-            "loop_memory": memory}
+            "loop_memory": memory, "loop_syncs": syncs}
 
 
 def point_rows(model_name: str, scheme_name: str, M: int, *, device_name: str, config: dict | None,
@@ -186,7 +189,7 @@ def line(row: dict) -> str:
     return (f"{row['model']:14s} {row['scheme']:6s} M={row['M']:<6d} GEMM{row['gemm']} {tile}"
             f"{' swap' if row['swap_ab'] else ''}: loop {row['loop_instructions']} ({row['per_weight']}/weight), "
             f"{row['registers']} regs, {row['stack_bytes']} B stack, {row['shared_bytes']} B smem, "
-            f"{'/'.join(row['mma']) or 'no MMA'}, {row['loop_memory']}")
+            f"{'/'.join(row['mma']) or 'no MMA'}, {row['loop_memory']}, waits {row['loop_syncs']}")
 
 
 def main() -> int:

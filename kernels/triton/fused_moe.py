@@ -30,11 +30,14 @@ block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) 
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
 whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
   - MXFP4: the packed tile is unpacked and scaled (exactly: the scales are powers of two) into the
-    activation dtype, then one bf16/fp16 MMA per half: the even and odd k of the activations meet the
-    low and high nibbles, which saves interleaving the weight tile. At 0.53 bytes per weight the decode
-    instructions, not HBM, bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
+    activation dtype, then either one bf16/fp16 MMA per half (the even and odd k of the activations meet
+    the low and high nibbles: mma.sync tiles) or the nibbles interleaved back into k order and one MMA
+    (wgmma tiles and GEMV rows; `_fp4_mma` says why). At 0.53 bytes per weight the decode
+    instructions could bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
     instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
-    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. `tl.dot_scaled`, whose Hopper
+    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. Measured, they bound only the
+    GEMV rows: 9% fewer decode instructions made those 1.03x faster and left the MMA tiles level
+    (bench/results/s27), which wait on their per-step stores, barriers and MMA completions instead. `tl.dot_scaled`, whose Hopper
     lowering upcasts in the compiler, measured no faster than the Triton-code decode (H200, Triton 3.6)
     and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
@@ -267,9 +270,26 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
         w_even, w_odd = _e2m1_unpack_bf16(packed, s, W_FP4 == 2)
     else:
         w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
-    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-    acc = _dot(a_even, tl.reshape(w_even, w_shape), acc, SWAP_AB)
-    return _dot(a_odd, tl.reshape(w_odd, w_shape), acc, SWAP_AB)
+    # Hopper's wgmma (the MMA's M side a multiple of 64) reads B from shared memory: one dot over the whole K step,
+    # the nibbles interleaved back into k order, stores the decoded tile once and waits once per step, and A (the
+    # tokens) comes straight from the pipelined load; two half-K dots stored, fenced and waited twice. So does a
+    # GEMV row (no MMA). The mma.sync tiles keep the two dots, whose even/odd activations cost less there than
+    # the interleaving. Same session on the H200 (bench/results/s27): one dot ran 1.03-1.06x faster at the
+    # 128-row tiles of M >= 1024 and the GEMV rows of gpt-oss-120b M=16, and 0.88-0.89x at the 32-row mma.sync
+    # tiles of gpt-oss-120b M=1024 and gpt-oss-20b M=256.
+    ONE_DOT: tl.constexpr = BLOCK_M == 1 or (not SWAP_AB and BLOCK_M % 64 == 0)
+    if ONE_DOT:
+        w = tl.join(w_even, w_odd)                                             # each byte's two nibbles last
+        if SWAP_AB:
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        else:
+            w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_K, BLOCK_N))
+        acc = _dot(a, w, acc, SWAP_AB)
+    else:
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+        acc = _dot(a_even, tl.reshape(w_even, w_shape), acc, SWAP_AB)
+        acc = _dot(a_odd, tl.reshape(w_odd, w_shape), acc, SWAP_AB)
+    return acc
 
 
 @triton.jit

@@ -378,11 +378,15 @@ def test_triton_mxfp4_large_scales_match_reference(top, poison_empty):
     assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP4)
 
 
-@pytest.mark.parametrize("weight_rows,num_warps,block_m", [(128, 4, 32), (256, 8, 64)])
-def test_triton_mxfp4_wgmma_tiles(weight_rows, num_warps, block_m, poison_empty, monkeypatch):
-    """triton_kernels' Hopper tile (bench/moe.py TK_MXFP4_TILES): weight rows on the MMA's M side, which on sm_90
-    is wgmma fed the decoded weights from registers; 128-deep K steps, masked past K=288; several column tiles."""
-    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=num_warps, num_stages=3, SWAP_AB=True)
+@pytest.mark.parametrize("weight_rows,num_warps,block_m,swap", [
+    (128, 4, 32, True), (256, 8, 64, True),   # triton_kernels' Hopper tile (bench/moe.py TK_MXFP4_TILES)
+    (128, 4, 64, False), (128, 8, 128, False),  # tokens on wgmma's M side: one dot over the interleaved nibbles
+])
+def test_triton_mxfp4_wgmma_tiles(weight_rows, num_warps, block_m, swap, poison_empty, monkeypatch):
+    """The tiles that run wgmma on sm_90 (the MMA's M side a multiple of 64): weight rows there (swapped), the
+    decoded weights fed from registers, or tokens there, the decoded tile stored once per K step (`_fp4_mma`);
+    128-deep K steps, masked past K=288; several column tiles."""
+    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=num_warps, num_stages=3, SWAP_AB=swap)
     tk_tile = MoEConfig(BLOCK_M=block_m, gemm1=GemmConfig(BLOCK_N=weight_rows // 2, **tile),
                         gemm2=GemmConfig(BLOCK_N=weight_rows, **tile))
     run_with_config(monkeypatch, lambda cfg: tk_tile)

@@ -1,11 +1,20 @@
-"""bench/moe.py's tuner: the moves of its coordinate sweep (the timing needs a GPU; the moves do not)."""
+"""bench/moe.py's tuner: its seeds and the moves of its coordinate sweep (the timing needs a GPU; these do not)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 from kernel_helpers import bench_module
 
+from moerules.activation import Dtype
+from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton.config import GemmConfig
+from moerules.quant import QuantConfig
+from moerules.quant import QuantFamily as F
+
+MXFP4 = Scheme.from_quant(QuantConfig(family=F.mxfp4_w4a16))
 
 
 @pytest.fixture
@@ -41,13 +50,26 @@ def test_triton_kernels_mxfp4_seed_takes_its_block_m(tuner, rows_per_expert, blo
 def test_triton_kernels_mxfp4_seed_is_a_swapped_wgmma_tile_that_fits(tuner):
     """256 weight rows on the MMA's M side (gated GEMM1: 128 gate + 128 up), 128-deep K steps, 8 warps; and
     valid for MXFP4 (the tuner would drop a seed that check_config or shared memory rejects)."""
-    from moerules.kernels.scheme import Scheme
-    from moerules.quant import QuantConfig
-    from moerules.quant import QuantFamily as F
     cfg = tuner.tk_mxfp4_config(32, gated=True, weight_rows=256, num_warps=8)
     tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3, SWAP_AB=True)
     assert (cfg.gemm1, cfg.gemm2) == (GemmConfig(BLOCK_N=128, **tile), GemmConfig(BLOCK_N=256, **tile))
     assert tuner.tk_mxfp4_config(32, gated=False, weight_rows=128, num_warps=4).gemm1.BLOCK_N == 128
-    mxfp4 = Scheme.from_quant(QuantConfig(family=F.mxfp4_w4a16))
     tuner.smoke = False
-    assert tuner.valid([cfg], mxfp4) == [cfg]
+    assert tuner.valid([cfg], MXFP4) == [cfg]
+
+
+@pytest.mark.parametrize("M, deep_k_block_m", [(256, None), (1024, 64), (2048, 64), (4096, 128)])
+def test_mxfp4_seeds_add_the_peer_and_deep_k_wgmma_tiles(tuner, monkeypatch, M, deep_k_block_m):
+    """gpt-oss-120b (E=128, top-4) MXFP4 without a tuned file (device cpu): triton_kernels' two tiles at their
+    BLOCK_M and the one in use, and from 32 mean rows per expert the 128-deep-K wgmma tile (BLOCK_M 64, then 128)."""
+    model = bench_module(monkeypatch, "moe").MODELS["gpt-oss-120b"]
+    tuner.smoke, tuner.peers, tuner.device = False, None, torch.device("cpu")
+    w = types.SimpleNamespace(scheme=MXFP4, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
+    names = tuner.seeds(M, model, w, "mxfp4", only_in_use=False)
+    tiles = {name: cfg for cfg, name in names.items()}
+    assert tiles["triton_kernels' tile, 8 warps"].gemm2.BLOCK_N == 256
+    assert tiles["triton_kernels' tile, 4 warps"].gemm2.BLOCK_N == 128
+    deep = tiles.get("wgmma tile, 128-deep K")
+    assert (deep.BLOCK_M if deep else None) == deep_k_block_m
+    if deep:
+        assert (deep.gemm1.BLOCK_K, deep.gemm2.BLOCK_K, deep.gemm1.SWAP_AB) == (128, 128, False)

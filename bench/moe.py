@@ -339,16 +339,11 @@ class Bench:
     # triton_kernels' MXFP4 tile on Hopper (opt_flags_nvidia.py, sglang-kernel 0.4.5): 2 * num_warps * 2 * 8 weight rows
     # on wgmma's M side (SWAP_AB; gated GEMM1: half gate, half up), the dequantised weights fed from registers,
     # 128-deep K steps; with it triton_kernels' MoE ran 1.2-1.7x faster than our tuned mma.sync tiles at M = 16-4096
-    # on the H200 (bench/results/s26).
-    # With 4 warps, the same tile at half the rows.
+    # on the H200 (bench/results/s26). With 4 warps, the same tile at half the rows. In our kernel both ran 1.03-1.76x
+    # slower than the tuned tiles at every gpt-oss point (H200, bench/results/s27): each K step stores its split
+    # activations for wgmma, fences and waits twice (bench/sass_count.py). Seeded all the same: the space holds the
+    # peer's tile, at a few seconds per point.
     TK_MXFP4_TILES = ({"weight_rows": 256, "num_warps": 8}, {"weight_rows": 128, "num_warps": 4})
-    # Tokens on wgmma's M side with 128-deep K steps, seeded from 32 mean rows per expert (BLOCK_M 64, or 128 past 64
-    # rows): one MMA per K step (fused_moe._fp4_mma) stores, fences and waits once per step, so a deeper step does
-    # so less often per weight. sm_90 K loops (bench/sass_count.py): 128x64x128 at 8 warps, 316 instructions per
-    # 4.2 MFLOP; the tuned 128x64x32, 140 per 1.05 MFLOP. The sweep moves BLOCK_K one halving or doubling at a time
-    # and keeps only a faster step, so from 32 it does not reach 128.
-    MXFP4_DEEP_K_WGMMA = (GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3),
-                          GemmConfig(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3))
     CONFIRM_ROUNDS = 3  # the winner against the config in use, timed alternately (`tune`)
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
@@ -416,8 +411,8 @@ class Bench:
 
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
-        seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use) and deep-K wgmma tile, and
-        (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
+        seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use) and (--peer-configs) vLLM's; a
+        config that is several of these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
         if only_in_use:
@@ -431,13 +426,10 @@ class Bench:
         if scheme.is_mx and scheme.k_pack > 1:
             for tile in self.TK_MXFP4_TILES:
                 tk = self.tk_mxfp4_config(M * model.k / model.E, gated=model.activation.gated, **tile)
-                named.append((tk, f"triton_kernels' tile, {tile['num_warps']} warps"))
+                name = f"triton_kernels' tile, {tile['num_warps']} warps"
+                named.append((tk, name))
                 if cur.BLOCK_M >= 16:
-                    named.append((replace(tk, BLOCK_M=cur.BLOCK_M), f"the same at BLOCK_M {cur.BLOCK_M}"))
-            rows_per_expert = M * model.k / model.E
-            if rows_per_expert >= 32:
-                named.append((MoEConfig(64 if rows_per_expert <= 64 else 128, *self.MXFP4_DEEP_K_WGMMA),
-                              "wgmma tile, 128-deep K"))
+                    named.append((replace(tk, BLOCK_M=cur.BLOCK_M), f"{name}, at BLOCK_M {cur.BLOCK_M}"))
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
         if peer:
             named.append((peer, "vLLM's"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -58,18 +59,18 @@ def test_triton_kernels_mxfp4_seed_is_a_swapped_wgmma_tile_that_fits(tuner):
     assert tuner.valid([cfg], MXFP4) == [cfg]
 
 
-@pytest.mark.parametrize("M, deep_k_block_m", [(256, None), (1024, 64), (2048, 64), (4096, 128)])
-def test_mxfp4_seeds_add_the_peer_and_deep_k_wgmma_tiles(tuner, monkeypatch, M, deep_k_block_m):
+@pytest.mark.parametrize("M, tk_block_m, in_use_block_m", [(256, 16, 16), (1024, 64, 32), (4096, 128, 128)])
+def test_mxfp4_seeds_add_the_peer_tiles(tuner, monkeypatch, M, tk_block_m, in_use_block_m):
     """gpt-oss-120b (E=128, top-4) MXFP4 without a tuned file (device cpu): triton_kernels' two tiles at their
-    BLOCK_M and the one in use, and from 32 mean rows per expert the 128-deep-K wgmma tile (BLOCK_M 64, then 128)."""
+    BLOCK_M (8, 32, 128 mean rows per expert) and, where it differs, at the one in use (the MX default's)."""
     model = bench_module(monkeypatch, "moe").MODELS["gpt-oss-120b"]
     tuner.smoke, tuner.peers, tuner.device = False, None, torch.device("cpu")
     w = types.SimpleNamespace(scheme=MXFP4, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
-    names = tuner.seeds(M, model, w, "mxfp4", only_in_use=False)
-    tiles = {name: cfg for cfg, name in names.items()}
-    assert tiles["triton_kernels' tile, 8 warps"].gemm2.BLOCK_N == 256
-    assert tiles["triton_kernels' tile, 4 warps"].gemm2.BLOCK_N == 128
-    deep = tiles.get("wgmma tile, 128-deep K")
-    assert (deep.BLOCK_M if deep else None) == deep_k_block_m
-    if deep:
-        assert (deep.gemm1.BLOCK_K, deep.gemm2.BLOCK_K, deep.gemm1.SWAP_AB) == (128, 128, False)
+    tiles = {name: cfg for cfg, name in tuner.seeds(M, model, w, "mxfp4", only_in_use=False).items()}
+    assert tiles["in use"].BLOCK_M == in_use_block_m
+    for warps, rows in ((8, 256), (4, 128)):
+        tk = tiles[f"triton_kernels' tile, {warps} warps"]
+        assert (tk.BLOCK_M, tk.gemm1.BLOCK_N, tk.gemm2.BLOCK_N, tk.gemm2.num_warps) == (tk_block_m, rows // 2, rows,
+                                                                                       warps)
+        again = tiles.get(f"triton_kernels' tile, {warps} warps, at BLOCK_M {in_use_block_m}")
+        assert again == (dataclasses.replace(tk, BLOCK_M=in_use_block_m) if in_use_block_m != tk_block_m else None)

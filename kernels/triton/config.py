@@ -5,9 +5,9 @@ Files live in `kernels/configs/` and are named
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
     {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB"]},
      "gemm2": {...}}
-and the entry with the nearest M is used. BLOCK_M is shared because it sets the alignment
-padding both GEMMs read (1: one slot per block, multiplied on CUDA cores, for decode); everything
-else is tuned per GEMM (their K and N differ).
+and the entry with the nearest M is used (GEMV rows only up to one row per expert: `_entries_for`).
+BLOCK_M is shared because it sets the alignment padding both GEMMs read (1: one slot per block,
+multiplied on CUDA cores, for decode); everything else is tuned per GEMM (their K and N differ).
 """
 
 from __future__ import annotations
@@ -132,12 +132,23 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     key = dtype_key(scheme, in_dtype_name)
     table = _load_file(config_file_name(num_experts=num_experts, intermediate=intermediate,
                                         device_name=device_name, dtype=key))
-    if table:
-        cfg = table[min(table, key=lambda m: abs(m - num_tokens))]
+    entries = table and _entries_for(table, rows_per_expert=num_tokens * top_k / num_experts)
+    if entries:
+        cfg = entries[min(entries, key=lambda m: abs(m - num_tokens))]
     else:
         cfg = default_config(num_tokens=num_tokens, num_experts=num_experts, top_k=top_k, scheme=scheme)
     check_config(cfg, scheme)
     return cfg
+
+
+def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float) -> dict[int, MoEConfig]:
+    """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
+    past one row per expert, where each row would read its expert's weights again (the tuner seeds them only up to
+    one row, `bench/moe.py`). Nearest M alone sent Mixtral-8x7B at M=16 (4 rows per expert) on the H200 to the M=1
+    entry's GEMV rows: 2321 us against 644 us for vLLM 0.33 (bench/results/s27)."""
+    if rows_per_expert <= 1:
+        return table
+    return {m: cfg for m, cfg in table.items() if cfg.BLOCK_M > 1}
 
 
 def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:

@@ -1,0 +1,40 @@
+"""Which tuned entry a batch runs (`triton.config.get_config`): the nearest M, never GEMV rows past one row per expert."""
+
+from __future__ import annotations
+
+import pytest
+
+from moerules.kernels.scheme import Scheme
+from moerules.kernels.triton import config
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, default_config
+from moerules.quant import QuantConfig
+
+BF16 = Scheme.from_quant(QuantConfig())
+GEMV = MoEConfig(BLOCK_M=1, gemm1=GemmConfig(16, 256, 1, 4, 4), gemm2=GemmConfig(16, 512, 1, 8, 4))
+MMA16 = MoEConfig(BLOCK_M=16, gemm1=GemmConfig(32, 256, 16, 4, 5), gemm2=GemmConfig(64, 128, 1, 4, 4))
+MMA128 = MoEConfig(BLOCK_M=128, gemm1=GemmConfig(128, 64, 16, 8, 4), gemm2=GemmConfig(256, 64, 16, 8, 4))
+
+
+def lookup(monkeypatch, table, *, num_tokens, num_experts, top_k):
+    monkeypatch.setattr(config, "_load_file", lambda name: table)
+    return config.get_config(num_tokens=num_tokens, num_experts=num_experts, intermediate=14336, top_k=top_k,
+                             scheme=BF16, in_dtype_name="bf16", device_name="NVIDIA H200")
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, expected", [
+    (1, 8, 2, GEMV),         # 0.25 rows per expert: the nearest entry, GEMV rows
+    (4, 8, 2, GEMV),         # one row per expert: still GEMV
+    (5, 8, 2, MMA16),        # 1.25 rows: the nearest entry with MMA tiles (M=64), not M=1's GEMV rows
+    (16, 8, 2, MMA16),       # Mixtral-8x7B at M=16 on the H200's file before its M=16 entry (bench/results/s27)
+    (16, 128, 4, GEMV),      # 0.5 rows per expert (gpt-oss-120b)
+    (600, 8, 2, MMA128),     # nearest M, as before
+])
+def test_gemv_rows_serve_at_most_one_row_per_expert(monkeypatch, num_tokens, num_experts, top_k, expected):
+    table = {1: GEMV, 64: MMA16, 1024: MMA128}
+    assert lookup(monkeypatch, table, num_tokens=num_tokens, num_experts=num_experts, top_k=top_k) == expected
+
+
+def test_a_file_of_gemv_rows_alone_leaves_larger_batches_to_the_heuristic(monkeypatch):
+    got = lookup(monkeypatch, {1: GEMV}, num_tokens=64, num_experts=8, top_k=2)
+    assert got == default_config(num_tokens=64, num_experts=8, top_k=2, scheme=BF16)
+    assert got.BLOCK_M > 1

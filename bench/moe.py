@@ -339,7 +339,7 @@ class Bench:
     # triton_kernels' MXFP4 tile on Hopper (opt_flags_nvidia.py, sglang-kernel 0.4.5): 2 * num_warps * 2 * 8 weight rows
     # on wgmma's M side (SWAP_AB; gated GEMM1: half gate, half up), the dequantised weights fed from registers,
     # 128-deep K steps; with it triton_kernels' MoE ran 1.2-1.7x faster than our tuned mma.sync tiles at M = 16-4096
-    # on the H200 (bench/results/s26). With 4 warps, the same tile at half the rows. In our kernel both ran 1.03-1.76x
+    # on the H200 (bench/results/s26). With 4 warps, the same tile at half the rows. In our kernel both ran 1.03-1.80x
     # slower than the tuned tiles at every gpt-oss point (H200, bench/results/s27): each K step stores its split
     # activations for wgmma, fences and waits twice (bench/sass_count.py). Seeded all the same: the space holds the
     # peer's tile, at a few seconds per point.

@@ -348,8 +348,8 @@ class Bench:
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
-        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most one
-        row per expert) or else, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
+        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
+        one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB, keeping each
         field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
         replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays

@@ -37,9 +37,9 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
     instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
     registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. Measured, they bound only the
     GEMV rows: 9% fewer decode instructions made those 1.03x faster and left the MMA tiles level
-    (bench/results/s27), which wait on their per-step stores, barriers and MMA completions instead. `tl.dot_scaled`, whose Hopper
-    lowering upcasts in the compiler, measured no faster than the Triton-code decode (H200, Triton 3.6)
-    and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
+    (bench/results/s27), which wait on their per-step stores, barriers and MMA completions instead.
+    `tl.dot_scaled`, whose Hopper lowering upcasts in the compiler, measured no faster than the Triton-code
+    decode (H200, Triton 3.6) and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
     stored bytes and its [BLOCK_M, BLOCK_N] result is scaled by sa*sw before it is added (as block128):
     fp8 tensor-core rate and fp8 bytes in shared memory, at one MMA wait per 32 of K. Upcasting both
@@ -274,9 +274,9 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
     # the nibbles interleaved back into k order, stores the decoded tile once and waits once per step, and A (the
     # tokens) comes straight from the pipelined load; two half-K dots stored, fenced and waited twice. So does a
     # GEMV row (no MMA). The mma.sync tiles keep the two dots, whose even/odd activations cost less there than
-    # the interleaving. Same session on the H200 (bench/results/s27): one dot ran 1.03-1.06x faster at the
-    # 128-row tiles of M >= 1024 and the GEMV rows of gpt-oss-120b M=16, and 0.88-0.89x at the 32-row mma.sync
-    # tiles of gpt-oss-120b M=1024 and gpt-oss-20b M=256.
+    # the interleaving. Same session on the H200 (bench/results/s27): one dot ran 1.01-1.05x faster at the 64- and
+    # 128-row tiles of M >= 1024, 1.06x at the GEMV rows of gpt-oss-120b M=16, and 0.88-0.89x at the 32-row
+    # mma.sync tiles of gpt-oss-120b M=1024 and gpt-oss-20b M=256.
     ONE_DOT: tl.constexpr = BLOCK_M == 1 or (not SWAP_AB and BLOCK_M % 64 == 0)
     if ONE_DOT:
         w = tl.join(w_even, w_odd)                                             # each byte's two nibbles last

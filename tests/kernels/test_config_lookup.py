@@ -1,4 +1,5 @@
-"""Which tuned entry a batch runs (`triton.config.get_config`): the nearest M, never GEMV rows past one row per expert."""
+"""Which tuned entry a batch runs (`triton.config.get_config`): the nearest M, but no GEMV rows past one row per
+expert."""
 
 from __future__ import annotations
 

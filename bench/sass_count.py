@@ -3,6 +3,7 @@
     python bench/sass_count.py --models gpt-oss-120b --schemes mxfp4 --ms 16 256 4096 [--device-name "NVIDIA H200"]
     python bench/sass_count.py ... --config '{"BLOCK_M": 16, "gemm1": {...}, "gemm2": {...}}'   # a config to try
     PYTHONPATH=carry/base python bench/sass_count.py ...   # an older tree (`git archive`, as gpu_steps compare_mx)
+    python bench/sass_count.py ... --triton-kernels carry/triton_kernels   # also triton_kernels' MXFP4 GEMMs
 
 Each point runs the real launcher (`triton.launch.fused_moe`, on empty tensors of the model's shapes, with the
 config the tuned file of --device-name gives, or --config) with its two GEMM launches captured instead of run, so
@@ -11,6 +12,11 @@ hints) are those a GPU run would compile; the alignment kernel is replaced by it
 compiled for sm_90 with the ptxas of the triton wheel and disassembled. Printed per GEMM: the config, the main
 loop (the longest backward branch of the SASS: the K loop), its instructions per weight per thread, registers
 (occupancy), shared memory, the MMA instruction, the loop's memory instructions and what it waits on.
+With --triton-kernels, each MXFP4 point also gets triton_kernels' two GEMMs, captured from its own launcher as
+bench/tk_mxfp4.py calls it (vLLM 0.33's calls), with the device queries answered as an H200's and routing stand-ins
+of the real dtypes and shapes. The counts match ncu's (gpt-oss-20b M=256: the 64x256x128 tile at 173 and 175
+registers). There, per K step of 128: 3.66 instructions per weight against our 5.2-5.8, the packed weights read by
+4 LDS.128 (our kernel at that tile: 32 LDS.U16), nothing stored, 2 barriers and a wgmma wait per 16 of K (bench/results/s27).
 
 It times nothing: GPU time is scarce (30 minutes a session). It tells, before a device run, whether a change
 cuts the instructions a decode-bound kernel issues and what it costs in registers. Session 26 found that a 20%
@@ -22,11 +28,13 @@ Weight-only schemes only (bf16, mxfp4): quantised activations would run the Trit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +44,9 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime import driver
 
+import tk_mxfp4
 from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES
 from moerules.activation import Dtype, SwigluParams
 from moerules.kernels.scheme import Scheme
@@ -59,8 +69,27 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?([A-Z][A-Z0
 @dataclass
 class Launch:
     kernel: Any                 # the JITFunction
-    args: tuple
-    kwargs: dict
+    kwargs: dict                # every argument, by name
+
+
+class _Captured(Exception):
+    """Raised by a stopping _Capture, so that a launcher goes no further (triton_kernels' GEMM2 would reduce next)."""
+
+
+class _Capture:
+    """Stands for a JITFunction: `kernel[grid](...)` records the launch in `launches` instead of running it; with
+    `stop`, it then raises _Captured."""
+
+    def __init__(self, kernel, launches: list[Launch], *, stop: bool = False):
+        self.kernel, self.launches, self.stop = kernel, launches, stop
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.launches.append(Launch(self.kernel, dict(zip(self.kernel.arg_names, args)) | kwargs))
+            if self.stop:
+                raise _Captured
+
+        return record
 
 
 def empty_weights(model, scheme_name: str) -> MoEWeights:
@@ -82,13 +111,6 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     """The GEMM launches `fused_moe` makes for M tokens, captured (nothing runs)."""
     launches: list[Launch] = []
 
-    class Capture:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(Launch(self.kernel, args, kwargs))
-
     def alignment(topk_ids, *, num_experts, block_m):
         blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
         i32 = dict(dtype=torch.int32)
@@ -97,7 +119,7 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
 
     saved = launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel
     launch.moe_align = alignment
-    launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = Capture(saved[1]), Capture(saved[2])
+    launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = _Capture(saved[1], launches), _Capture(saved[2], launches)
     try:
         launch.fused_moe(torch.empty(M, model.H, dtype=torch.bfloat16), a_scale=None, weights=weights,
                          topk_ids=torch.zeros(M, model.k, dtype=torch.int32), topk_weights=torch.empty(M, model.k),
@@ -108,19 +130,94 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     return launches
 
 
+# ---- triton_kernels' GEMMs (--triton-kernels) ---------------------------------------------------------------------
+_H200 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=232_448)
+
+
+class _Sm90Driver:
+    """What triton.language.target_info asks the active driver while triton_kernels' launcher runs."""
+
+    def get_current_target(self):
+        return SM90
+
+
+@contextlib.contextmanager
+def _as_h200():
+    """triton_kernels' launcher asks the GPU for its capability, SMs and shared memory (opt_flags*.py) and Triton for
+    the current target: answered as an H200 would, while the launches are captured."""
+    saved = torch.cuda.get_device_properties, torch.cuda.get_device_capability
+    # The driver set before, if any: `driver.active` would create the default one, which needs a GPU.
+    saved_driver = driver._active
+    torch.cuda.get_device_properties, torch.cuda.get_device_capability = lambda *a, **k: _H200, lambda *a, **k: (9, 0)
+    driver.set_active(_Sm90Driver())
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_properties, torch.cuda.get_device_capability = saved
+        driver.set_active(saved_driver)
+
+
+def stand_in_routing(ogs, model, M: int) -> tk_mxfp4.TkRouting:
+    """Routing structures of the real dtypes and shapes, each expert given the mean rows: building real ones runs
+    triton_kernels' own kernels, and only dtypes, shapes and divisibility reach the compiled GEMMs."""
+    from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
+    rows, per_expert = M * model.k, M * model.k // model.E
+    i32 = dict(dtype=torch.int32)
+    ragged = RaggedTensorMetadata(
+        slice_sizes=torch.full((model.E,), per_expert, **i32), slice_offs=torch.zeros(model.E + 1, **i32),
+        block_offs_data=torch.zeros(len(RaggedTensorMetadata.block_sizes()), model.E + 1, **i32),
+        block_schedule_data=torch.zeros(len(RaggedTensorMetadata.block_sizes()),
+                                        RaggedTensorMetadata.max_n_tiles(model.E, rows), **i32))
+    data = ogs.RoutingData(torch.zeros(rows), ragged.slice_sizes, model.E, model.k, ragged)
+    order = torch.arange(rows, **i32)
+    return tk_mxfp4.TkRouting(data=data, gather=ogs.GatherIndx(order, order), scatter=ogs.ScatterIndx(order, order))
+
+
+def peer_launches(tk_dir: Path, model, M: int) -> list[Launch]:
+    """triton_kernels' two matmul_ogs launches for M tokens of the model, made as bench/tk_mxfp4.py makes them (vLLM
+    0.33's calls, Hopper layouts), captured: nothing runs."""
+    tk = tk_mxfp4.load_triton_kernels(tk_dir)
+    from triton_kernels import matmul_ogs as ogs
+    launches: list[Launch] = []
+
+    def specialized(**closures):
+        kernels = real_get(**closures)
+        return types.SimpleNamespace(**{name: _Capture(getattr(kernels, name), launches, stop=True)
+                                        for name in ("_matmul_ogs", "_p_matmul_ogs")})
+
+    real_get, ogs.specializations.get = ogs.specializations.get, specialized
+    try:
+        with _as_h200():
+            weights = tk_mxfp4.to_tk_weights(tk, empty_weights(model, "mxfp4"), layouts=tk_mxfp4.hopper_layouts(tk))
+            moe = tk_mxfp4.TkMoE(tk, weights, SwigluParams())
+            routing = stand_in_routing(ogs, model, M)
+            x = torch.empty(M, model.H, dtype=torch.bfloat16)
+            inter = torch.empty(M * model.k, model.I, dtype=torch.bfloat16)
+            for gemm, args in ((moe.gemm1, (x, routing, inter)), (moe.gemm2, (inter, routing, x))):
+                with contextlib.suppress(_Captured):
+                    gemm(*args)
+    finally:
+        ogs.specializations.get = real_get
+    return launches
+
+
 def compile_sm90(item: Launch):
     """The launch compiled as a GPU run would compile it, for sm_90."""
     kernel, kwargs = item.kernel, dict(item.kwargs)
     options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
-    values = dict(zip(kernel.arg_names, item.args)) | kwargs
+    values = kwargs
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        value = values[name]
-        if param.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        value = values.get(name, param.default)
+        if param.is_constexpr or value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                   and value == 1):
             signature[name], constants[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + _POINTER[value.dtype]
+        elif isinstance(value, torch.Tensor) or hasattr(value, "storage"):  # triton_kernels' Tensor: its storage
+            dtype = value.dtype if isinstance(value, torch.Tensor) else value.storage.data.dtype
+            signature[name] = "*" + _POINTER[dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
@@ -166,27 +263,32 @@ def count(item: Launch, workdir: Path) -> dict:
     memory = {op: n for op, n in sorted(ops.items()) if op.startswith(_MEMORY_OPS)}
     syncs = {op: n for op, n in sorted(ops.items()) if op.startswith(_SYNC_OPS)}
     return {"kernel": compiled.name, "BLOCK_M": k["BLOCK_M"], "BLOCK_N": k["BLOCK_N"], "BLOCK_K": k["BLOCK_K"],
-            "warps": k["num_warps"], "stages": k["num_stages"], "swap_ab": k["SWAP_AB"],
+            "warps": k["num_warps"], "stages": k["num_stages"], "swap_ab": k.get("SWAP_AB", False),
             "loop_instructions": len(loop), "per_weight": round(len(loop) / weights_per_thread, 2),
             "registers": registers, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared, "mma": mma,
             "loop_memory": memory, "loop_syncs": syncs}
 
 
 def point_rows(model_name: str, scheme_name: str, M: int, *, device_name: str, config: dict | None,
-               workdir: Path) -> list[dict]:
-    """Both GEMMs of one (model, scheme, M), with the tuned config of device_name unless `config` is given."""
+               workdir: Path, peer: Path | None = None) -> list[dict]:
+    """Both GEMMs of one (model, scheme, M), with the tuned config of device_name unless `config` is given; then,
+    given `peer` (a triton_kernels folder) and MXFP4, triton_kernels' two GEMMs at the same point."""
     model = (MODELS | EXTRA_MODELS)[model_name]
     weights = empty_weights(model, scheme_name)
     cfg = MoEConfig.from_dict(config) if config else get_config(
         num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=weights.scheme,
         in_dtype_name="bf16", device_name=device_name)
-    return [{"model": model_name, "scheme": scheme_name, "M": M, "gemm": gemm} | count(item, workdir)
-            for gemm, item in enumerate(captured_launches(model, weights, M, cfg), start=1)]
+    sides = [("moerules", captured_launches(model, weights, M, cfg))]
+    if peer and scheme_name == "mxfp4":
+        sides.append(("triton_kernels", peer_launches(peer, model, M)))
+    return [{"side": side, "model": model_name, "scheme": scheme_name, "M": M, "gemm": gemm} | count(item, workdir)
+            for side, items in sides for gemm, item in enumerate(items, start=1)]
 
 
 def line(row: dict) -> str:
     tile = f"{row['BLOCK_M']}x{row['BLOCK_N']}x{row['BLOCK_K']} w{row['warps']} s{row['stages']}"
-    return (f"{row['model']:14s} {row['scheme']:6s} M={row['M']:<6d} GEMM{row['gemm']} {tile}"
+    side = "" if row["side"] == "moerules" else f"{row['side']} "
+    return (f"{row['model']:14s} {row['scheme']:6s} M={row['M']:<6d} {side}GEMM{row['gemm']} {tile}"
             f"{' swap' if row['swap_ab'] else ''}: loop {row['loop_instructions']} ({row['per_weight']}/weight), "
             f"{row['registers']} regs, {row['stack_bytes']} B stack, {row['shared_bytes']} B smem, "
             f"{'/'.join(row['mma']) or 'no MMA'}, {row['loop_memory']}, waits {row['loop_syncs']}")
@@ -204,14 +306,23 @@ def main() -> int:
     p.add_argument("--config", type=json.loads, help="a MoEConfig as JSON, instead of the tuned file's")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/sass_count")),
                    help="cubins and results.json")
+    p.add_argument("--triton-kernels", type=Path, metavar="DIR",
+                   help="also count triton_kernels' MXFP4 GEMMs at each MXFP4 point, the package in DIR "
+                        "(bench/get_triton_kernels.sh fills carry/triton_kernels)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.triton_kernels:
+        try:
+            tk_mxfp4.package_root(args.triton_kernels)
+        except tk_mxfp4.TritonKernelsNotFound as exc:
+            print(f"sass_count.py: {exc}", file=sys.stderr)
+            return 2
     rows = []
     for name in args.models:
         for scheme_name in args.schemes:
             for M in args.ms:
                 for row in point_rows(name, scheme_name, M, device_name=args.device_name, config=args.config,
-                                      workdir=args.out):
+                                      workdir=args.out, peer=args.triton_kernels):
                     rows.append(row)
                     print(line(row), flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from kernel_helpers import bench_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sass_count.py"
@@ -47,6 +48,34 @@ def test_mxfp4_wgmma_tiles_store_and_wait_once_per_k_step(tmp_path):
         assert (row["BLOCK_M"], row["mma"], row["stack_bytes"]) == (128, ["HGMMA"], 0)
         waits = row["loop_syncs"]
         assert (waits["WARPGROUP.DEPBAR.LE"], waits["FENCE.VIEW.ASYNC.S"]) == (1, 1), waits
+
+
+CARRIED_TK = Path(__file__).resolve().parents[2] / "carry" / "triton_kernels"
+
+
+@pytest.mark.skipif(not (CARRIED_TK / "triton_kernels" / "matmul_ogs.py").is_file(),
+                    reason="no carried triton_kernels (bench/get_triton_kernels.sh; its code is never committed)")
+def test_triton_kernels_gemms_are_counted_beside_ours(tmp_path):
+    """gpt-oss-20b at M=256 with --triton-kernels: after our two GEMMs, triton_kernels' two, captured from its own
+    launcher as vLLM 0.33 calls it (the 64x256x128 tile ncu profiled, at the 173 and 175 registers ncu counted):
+    wgmma fed the decoded weights from registers, the packed weights read 16 bytes at a time, nothing stored, one
+    wgmma wait per 16 of K, under 4 instructions per weight."""
+    done = _run(tmp_path, "--models", "gpt-oss-20b", "--ms", "256", "--triton-kernels", str(CARRIED_TK))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [(row["side"], row["gemm"]) for row in rows] == [("moerules", 1), ("moerules", 2), ("triton_kernels", 1),
+                                                           ("triton_kernels", 2)]
+    assert [row["registers"] for row in rows[2:]] == [173, 175]
+    for row in rows[2:]:
+        assert "64x256x128" in row["kernel"] and (row["mma"], row["stack_bytes"]) == (["HGMMA"], 0)
+        assert not [op for op in row["loop_memory"] if op.startswith("STS")] and row["loop_memory"]["LDS.128"] == 4
+        assert row["loop_syncs"]["WARPGROUP.DEPBAR.LE"] == row["BLOCK_K"] // 16 and row["per_weight"] < 4
+
+
+def test_a_missing_triton_kernels_folder_is_refused(tmp_path):
+    done = _run(tmp_path, "--triton-kernels", str(tmp_path / "nowhere"))
+    assert done.returncode == 2
+    assert done.stderr.startswith("sass_count.py: no triton_kernels package (triton_kernels/matmul_ogs.py) in ")
 
 
 def test_interpreted_triton_is_refused(tmp_path):

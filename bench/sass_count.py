@@ -16,7 +16,8 @@ With --triton-kernels, each MXFP4 point also gets triton_kernels' two GEMMs, cap
 bench/tk_mxfp4.py calls it (vLLM 0.33's calls), with the device queries answered as an H200's and routing stand-ins
 of the real dtypes and shapes. The counts match ncu's (gpt-oss-20b M=256: the 64x256x128 tile at 173 and 175
 registers). There, per K step of 128: 3.66 instructions per weight against our 5.2-5.8, the packed weights read by
-4 LDS.128 (our kernel at that tile: 32 LDS.U16), nothing stored, 2 barriers and a wgmma wait per 16 of K (bench/results/s27).
+4 LDS.128 (our kernel at that tile: 32 LDS.U16), nothing stored, 2 barriers and a wgmma wait per 16 of K
+(bench/results/s27).
 
 It times nothing: GPU time is scarce (30 minutes a session). It tells, before a device run, whether a change
 cuts the instructions a decode-bound kernel issues and what it costs in registers. Session 26 found that a 20%
@@ -205,10 +206,9 @@ def compile_sm90(item: Launch):
     """The launch compiled as a GPU run would compile it, for sm_90."""
     kernel, kwargs = item.kernel, dict(item.kwargs)
     options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
-    values = kwargs
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        value = values.get(name, param.default)
+        value = kwargs.get(name, param.default)
         if param.is_constexpr or value is None or (isinstance(value, int) and not isinstance(value, bool)
                                                    and value == 1):
             signature[name], constants[name] = "constexpr", value

@@ -387,9 +387,9 @@ def test_triton_mxfp4_wgmma_tiles(weight_rows, num_warps, block_m, swap, poison_
     decoded weights fed from registers, or tokens there, the decoded tile stored once per K step (`_fp4_mma`);
     128-deep K steps, masked past K=288; several column tiles."""
     tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=num_warps, num_stages=3, SWAP_AB=swap)
-    tk_tile = MoEConfig(BLOCK_M=block_m, gemm1=GemmConfig(BLOCK_N=weight_rows // 2, **tile),
-                        gemm2=GemmConfig(BLOCK_N=weight_rows, **tile))
-    run_with_config(monkeypatch, lambda cfg: tk_tile)
+    forced = MoEConfig(BLOCK_M=block_m, gemm1=GemmConfig(BLOCK_N=weight_rows // 2, **tile),
+                       gemm2=GemmConfig(BLOCK_N=weight_rows, **tile))
+    run_with_config(monkeypatch, lambda cfg: forced)
     layer = make_layer("triton.fused_moe", MXFP4, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
                        E=8, H=288, I=192, device=DEVICE)
     x, ids, w = random_inputs(layer, 77, 4, device=DEVICE)

@@ -50,6 +50,7 @@ from triton.runtime import driver
 import tk_mxfp4
 from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES
 from moerules.activation import Dtype, SwigluParams
+from moerules.kernels import fp4_fragments
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton import launch
 from moerules.kernels.triton.align import Alignment, max_blocks
@@ -95,7 +96,8 @@ class _Capture:
 
 def empty_weights(model, scheme_name: str) -> MoEWeights:
     """Uninitialised weights of the model's shapes (MX scales 1, so the folded decode compiles, as for every
-    real checkpoint)."""
+    real checkpoint), MXFP4 flagged in the fragment order our Triton experts build (the bytes need no rewrite:
+    nothing reads them)."""
     scheme = Scheme.from_quant(TIMED_SCHEMES[scheme_name])
     E, H, I, pack = model.E, model.H, model.I, scheme.k_pack
     storage = scheme.weight_torch_dtype or torch.bfloat16
@@ -105,7 +107,8 @@ def empty_weights(model, scheme_name: str) -> MoEWeights:
                  w2_scale=torch.full((E, H, I // 32), 127, dtype=torch.uint8))
     if model.bias:
         w.update(w13_bias=torch.empty(E, 2 * I, dtype=torch.bfloat16), w2_bias=torch.empty(E, H, dtype=torch.bfloat16))
-    return MoEWeights(scheme=scheme, in_dtype=Dtype.bf16, **w)
+    return MoEWeights(scheme=scheme, in_dtype=Dtype.bf16, **w,
+                      fp4_fragment_order=fp4_fragments.PAIRS if scheme.k_pack == 2 else None)
 
 
 def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> list[Launch]:

@@ -7,6 +7,8 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
   (packed fp4 weights, MXFP4: w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8, two e2m1 values per byte along K)
   w13_bias [E, N1], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
+  Our Triton experts rewrite MXFP4 w13/w2 at build into the MMA fragment order of fp4_fragments.py
+  (`use_fragment_order`, same shapes); `checkpoint_packed` reads them back in the layout above.
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
   lora: optional per-expert LoRA adapters (`lora.py`), padded together with the weights.
   correction_bias: the router's e_score_correction_bias [E_global] fp32 (DeepSeek-V3, GLM-4-MoE), which
@@ -25,6 +27,7 @@ from moerules.activation import Dtype
 from moerules.errors import KernelInputError
 from moerules.quant import Granularity, QuantConfig, QuantFamily
 
+from . import fp4_fragments
 from .lora import LoRAWeights
 from .mx import E8M0_BIAS, E8M0_FOLD_MAX, MX_GROUP
 from .qrange import FP8_MAX
@@ -65,6 +68,10 @@ class MoEWeights:
     # then takes one multiply per weight pair instead of two. Set once here, where the scales arrive (one
     # reduction per scale tensor); padding only adds scale 1 (E8M0_BIAS), which keeps it true.
     fp4_scales_fold: bool = field(init=False, default=False)
+    # MXFP4 w13/w2 bytes in fp4_fragments' order (`use_fragment_order`, our Triton experts at build): None, or how
+    # w13 is held (fp4_fragments.ROWS or PAIRS; w2 is ROWS). What decodes values reads `checkpoint_packed`. An init
+    # field, so that dataclasses.replace (sharding, tests) carries it with the tensors.
+    fp4_fragment_order: Optional[str] = None
 
     def __post_init__(self):
         E, rows, _ = self.w13.shape
@@ -104,6 +111,33 @@ class MoEWeights:
         if lora is not None:
             lora.check_matches(num_experts=self.num_experts, rows13=self.w13.shape[1], hidden=self.hidden,
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
+
+    def use_fragment_order(self, *, interleaved: bool) -> Optional[str]:
+        """Rewrite MXFP4 w13 and w2, in place and once, in fp4_fragments' order; returns `fp4_fragment_order`.
+
+        Each slab is permuted within itself, so shapes, strides and memory stay as they are. A gated w13 whose
+        gate and up rows are halves needs I % 16 == 0 (each half whole slabs); `interleaved` (gate0, up0, ...)
+        is held in PAIRS of 32 rows, 2I % 32 == 0. Weights of other shapes stay in checkpoint order (None).
+        """
+        if self.scheme.k_pack != 2 or self.fp4_fragment_order:
+            return self.fp4_fragment_order
+        pairs = interleaved and self.gated
+        halves_ok = pairs or not self.gated or self.intermediate % fp4_fragments.SLAB == 0
+        if not (halves_ok and fp4_fragments.fits(self.w13.shape[1], self.hidden, pairs=pairs)
+                and fp4_fragments.fits(self.w2.shape[1], self.intermediate)):
+            return None
+        self.w13.copy_(fp4_fragments.to_fragment_order(self.w13, pairs=pairs))
+        self.w2.copy_(fp4_fragments.to_fragment_order(self.w2))
+        self.fp4_fragment_order = fp4_fragments.PAIRS if pairs else fp4_fragments.ROWS
+        return self.fp4_fragment_order
+
+    def checkpoint_packed(self, name: str) -> torch.Tensor:
+        """w13 or w2 in the layout of this module's doc, whatever `use_fragment_order` did (a copy if it did)."""
+        t = getattr(self, name)
+        if not self.fp4_fragment_order:
+            return t
+        pairs = name == "w13" and self.fp4_fragment_order == fp4_fragments.PAIRS
+        return fp4_fragments.to_checkpoint_order(t, pairs=pairs)
 
     def checksum(self) -> str:
         """A digest of every weight, bias and scale byte (one pass over the weights, on their device)."""

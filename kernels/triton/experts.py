@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..activations import is_interleaved
 from ..interfaces import Experts
 from ..scheme import TORCH_DTYPE
 from ..weights import MoEWeights
@@ -13,6 +14,10 @@ from .launch import fused_moe
 
 
 class TritonExperts(Experts):
+
+    def load_weights(self, weights: MoEWeights) -> None:
+        """MXFP4 weights into the GEMMs' fragment order (`MoEWeights.use_fragment_order`), once."""
+        weights.use_fragment_order(interleaved=is_interleaved(self.activation))
 
     def apply(self, hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor]) -> torch.Tensor:

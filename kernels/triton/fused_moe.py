@@ -24,7 +24,8 @@ Scale codes (tl.constexpr):
            4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
   W_FP4:   0 no; 1 the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4; 2 the same
            with every e8m0 scale at most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode
-           then folds its fixed 2^126 into the scale.
+           then folds its fixed 2^126 into the scale; 3 and 4: as 1 and 2, the bytes in the MMA fragment order
+           of fp4_fragments.py (what our Triton experts build), read by `_fp4_fragment_tile`.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
@@ -242,13 +243,64 @@ def _e2m1_unpack(packed, s, dtype: tl.constexpr):
 
 
 @triton.jit
-def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, dtype: tl.constexpr,
+                       FOLDED: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [ROWS, BLOCK_K] weight tile at k0 of fragment-order MXFP4 weights (fp4_fragments.py), decoded to dtype.
+
+    slab_rows: the first row of each slab the tile reads, in tile order (16 rows; PAIRED, the paired layout of
+    interleaved gate/up rows: 32, and the tile is the slabs' gate rows, then their up rows). Each lane loads its
+    words contiguously and the reshapes below only rename registers: on sm_90 the decoded values are the MMA's
+    register operand as they leave the decode (bench/sass_count.py).
+    """
+    U: tl.constexpr = 2 if PAIRED else 1                                     # rows per column in a slab
+    S: tl.constexpr = ROWS // (16 * U)
+    NB: tl.constexpr = BLOCK_K // MX_GROUP
+    RUN: tl.constexpr = 256 * U                                               # bytes of one slab and group
+    t = tl.arange(0, NB * RUN)
+    group_ok = k0 // MX_GROUP + t // RUN < K // MX_GROUP
+    packed = tl.load(w_e + slab_rows.to(tl.int64)[:, None] * stride_wn + (k0 // MX_GROUP) * RUN + t[None, :],
+                     mask=slab_ok[:, None] & group_ok[None, :], other=0)
+    packed = tl.reshape(packed, (S, NB, 8, 4, U, 2, 2, 2))                    # slab, group, g, c, u, j, h, p
+    g = k0 // MX_GROUP + tl.arange(0, NB)
+    rows = slab_rows.to(tl.int64)[:, None] + tl.arange(0, 16 * U)[None, :]    # [S, (h, g, u)]
+    s = tl.load(w_scale_e + rows[:, :, None] * stride_wsn + g[None, None, :],
+                mask=slab_ok[:, None, None] & (g < K // MX_GROUP)[None, None, :], other=0)
+    s = tl.permute(tl.reshape(s, (S, 2, 8, U, NB)), (0, 4, 2, 3, 1))          # slab, group, g, u, h
+    s = tl.reshape(s, (S, NB, 8, 1, U, 1, 2, 1))
+    if dtype == tl.bfloat16:
+        low, high = _e2m1_unpack_bf16(packed, s, FOLDED)
+    else:
+        low, high = _e2m1_unpack(packed, s, dtype)
+    w = tl.permute(tl.join(low, high), (4, 0, 6, 2, 1, 5, 8, 3, 7))           # u, s, h, g | group, j, q, c, p
+    return tl.reshape(w, (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K,
+             W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
 
-    The packed tile is loaded as [groups, 16 bytes, BLOCK_N] (swapped: [BLOCK_N, groups, 16 bytes], the
-    checkpoint's own order) so each group's scale broadcasts along its bytes.
+    Checkpoint order (W_FP4 1, 2): the packed tile is loaded as [groups, 16 bytes, BLOCK_N] (swapped:
+    [BLOCK_N, groups, 16 bytes], the checkpoint's own order) so each group's scale broadcasts along its bytes.
+    Fragment order (W_FP4 3, 4): `_fp4_fragment_tile`, one MMA per K step.
     """
+    if W_FP4 >= 3:
+        w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, a.dtype,
+                               W_FP4 == 4, PAIRED, BLOCK_N, BLOCK_K)
+        if not SWAP_AB:
+            w = tl.trans(w)
+        acc = _dot(a, w, acc, SWAP_AB)
+    else:
+        acc = _fp4_checkpoint_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def _fp4_checkpoint_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """`_fp4_mma` on checkpoint-order weights."""
     HALF: tl.constexpr = MX_GROUP // 2
     rows = w_rows.to(tl.int64)
     g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
@@ -293,14 +345,14 @@ def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, 
 
 
 @triton.jit
-def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn,
-            k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
-            W_FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            SWAP_AB: tl.constexpr):
+def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok,
+            stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
+            UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
-        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4, BLOCK_M,
-                       BLOCK_N, BLOCK_K, SWAP_AB)
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K,
+                       W_FP4, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
     else:
         w_off = w_rows.to(tl.int64) * stride_wn
         if SWAP_AB:
@@ -426,7 +478,8 @@ def gemm1_gated_kernel(
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        GATED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit, swiglu_alpha):
+        GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
+        swiglu_alpha):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -449,6 +502,14 @@ def gemm1_gated_kernel(
     w_cols = pid_n * BLOCK_N + j % BLOCK_N
     w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
     w_ok = w_cols < N
+    slab_rows, slab_ok = w_rows, w_ok  # fragment-order MXFP4 reads whole slabs (16 rows; PAIRED 32)
+    if W_FP4 >= 3 and PAIRED:
+        slab_rows = 2 * pid_n * BLOCK_N + 32 * tl.arange(0, W_COLS // 32)
+        slab_ok = slab_rows < 2 * N
+    elif W_FP4 >= 3:
+        slab = 16 * tl.arange(0, W_COLS // 16)
+        slab_rows = (pid_n * BLOCK_N + slab % BLOCK_N) * gate_row_step + (slab // BLOCK_N) * up_row_offset
+        slab_ok = pid_n * BLOCK_N + slab % BLOCK_N < N
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
@@ -456,9 +517,9 @@ def gemm1_gated_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, stride_wn,
-                      stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, W_COLS, BLOCK_K,
-                      SWAP_AB)
+        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows, slab_ok,
+                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, BLOCK_M,
+                      W_COLS, BLOCK_K, SWAP_AB)
     acc = _acc_rows_first(acc, SWAP_AB)
     if GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -499,6 +560,10 @@ def gemm2_weighted_kernel(
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    slab_rows, slab_ok = cols, col_ok
+    if W_FP4 >= 3:
+        slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
+        slab_ok = slab_rows < N
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
@@ -506,8 +571,9 @@ def gemm2_weighted_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, stride_wn, stride_wsn,
-                      k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, slab_rows, slab_ok,
+                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_M,
+                      BLOCK_N, BLOCK_K, SWAP_AB)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

@@ -7,6 +7,7 @@ add the expand.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -15,6 +16,7 @@ import triton
 from moerules.activation import Activation, SwigluParams
 from moerules.quant import Granularity
 
+from .. import fp4_fragments
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
 from ..weights import MoEWeights
@@ -34,14 +36,34 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 # K step of the LoRA shrink: its N is the rank, so the K loop is all its work and its latency at small M
 # (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
 _SHRINK_BLOCK_K = 128
+_GEMV_FRAGMENT_K = 128  # `_fragment_tiles`
 
 
 def _scheme_flags(weights: MoEWeights) -> dict:
     scheme = weights.scheme
     return dict(A_SCALE=_A_SCALE[scheme.act_granularity], W_SCALE=_W_SCALE[scheme.weight_granularity],
                 UPCAST_W=scheme.weight_dtype is not None and scheme.act_dtype is None,
-                W_FP4=(2 if weights.fp4_scales_fold else 1) if scheme.k_pack == 2 else 0,
+                W_FP4=_fp4_code(weights) if scheme.k_pack == 2 else 0,
                 ACC_INT=scheme.act_torch_dtype == torch.int8)
+
+
+def _fp4_code(weights: MoEWeights) -> int:
+    """fused_moe.py's W_FP4: checkpoint order 1 (2 with folded scales), fragment order 3 (4 folded)."""
+    return (3 if weights.fp4_fragment_order else 1) + weights.fp4_scales_fold
+
+
+def _fragment_tiles(cfg: MoEConfig, weights: MoEWeights) -> MoEConfig:
+    """cfg as fp4 fragment-order weights run it: weight tiles of whole slabs (BLOCK_N >= 16; a paired GEMM1
+    tile's 2 * BLOCK_N rows are BLOCK_N / 16 slabs of 32), and GEMV rows (BLOCK_M 1) with K steps of at least
+    _GEMV_FRAGMENT_K: at BLOCK_K 64, paired GEMM1 GEMV rows computed wrong results on the H200, swapped or not
+    (rel. err 0.85; right under the interpreter; cause not isolated), at 128 and 512 right (bench/results/s28)."""
+    if not weights.fp4_fragment_order:
+        return cfg
+    k_min = _GEMV_FRAGMENT_K if cfg.BLOCK_M == 1 else 0
+
+    def tile(g: GemmConfig) -> GemmConfig:
+        return replace(g, BLOCK_N=max(g.BLOCK_N, fp4_fragments.SLAB), BLOCK_K=max(g.BLOCK_K, k_min))
+    return replace(cfg, gemm1=tile(cfg.gemm1), gemm2=tile(cfg.gemm2))
 
 
 def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -118,7 +140,8 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
-    cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
+    cfg = _fragment_tiles(config, weights) if config else config_for(weights, num_tokens=T, top_k=k,
+                                                                        device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
@@ -137,9 +160,10 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
     """The config `fused_moe` runs with when given none: the tuned file's nearest M, else the heuristic."""
-    return get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
-                      top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
-                      device_name=device_name(device))
+    cfg = get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
+                     top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
+                     device_name=device_name(device))
+    return _fragment_tiles(cfg, weights)
 
 
 def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,
@@ -164,7 +188,8 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated, **(lora or _no_lora(dummy)),
+        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated,
+        PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
 
 

@@ -1,0 +1,95 @@
+"""MXFP4 weights in MMA fragment order (kernels/fp4_fragments.py): the layout, the build's rewrite, and the Triton
+GEMMs reading it at every tile kind (fp16 under the interpreter; bf16 and the PTX decode on the GPU, test_mx.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import DEVICE, make_layer, random_inputs, reference64, rel_err, run_with_config
+
+from moerules.activation import Activation, Dtype
+from moerules.kernels import fp4_fragments
+from moerules.kernels.triton.config import GemmConfig, MoEConfig
+
+MXFP4 = "mxfp4_w4a16/group32"
+TOL = 2e-3  # test_mx.py's MXFP4 bound (fp16 out against the float64 reference)
+
+
+def _nibble(packed: torch.Tensor, n: int, k: int) -> int:
+    byte = int(packed[n, k // 2])
+    return byte >> 4 if k % 2 else byte & 0xF
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_every_value_sits_where_the_layout_doc_says(pairs):
+    """Each (row, k) of a [64, 96] tensor, looked up by the formulas of fp4_fragments' doc, and the round trip."""
+    packed = torch.randint(0, 256, (64, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    frag = fp4_fragments.to_fragment_order(packed, pairs=pairs)
+    assert frag.shape == packed.shape
+    assert torch.equal(fp4_fragments.to_checkpoint_order(frag, pairs=pairs), packed)
+    for n in range(64):
+        for k in range(96):
+            b, j, q, c, p = k // 32, k % 32 // 16, k % 16 // 8, k % 8 // 2, k % 2
+            if pairs:
+                s, col, u = n // 32, n % 32 // 2, n % 2
+                h, g = col // 8, col % 8
+                byte, run = 512 * b + 16 * (4 * g + c) + 4 * (2 * u + j) + 2 * h + p, frag[32 * s:32 * s + 32]
+            else:
+                s, h, g = n // 16, n % 16 // 8, n % 8
+                byte, run = 256 * b + 8 * (4 * g + c) + 4 * j + 2 * h + p, frag[16 * s:16 * s + 16]
+            stored = int(run.reshape(-1)[byte])
+            assert (stored >> 4 if q else stored & 0xF) == _nibble(packed, n, k), (n, k)
+
+
+@pytest.mark.parametrize("rows,k,pairs,message", [
+    (24, 64, False, "fragment order needs whole 16-row slabs and K % 32 == 0, got [24, 64]"),
+    (48, 64, True, "fragment order (paired) needs whole 32-row slabs and K % 32 == 0, got [48, 64]"),
+])
+def test_shapes_without_whole_slabs_are_refused(rows, k, pairs, message):
+    assert not fp4_fragments.fits(rows, k, pairs=pairs)
+    with pytest.raises(ValueError) as err:
+        fp4_fragments.to_fragment_order(torch.zeros(rows, k // 2, dtype=torch.uint8), pairs=pairs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("activation,order", [
+    (Activation.swigluoai, fp4_fragments.PAIRS),   # gpt-oss: interleaved gate/up rows, 32-row slabs
+    (Activation.silu, fp4_fragments.ROWS),         # gate then up halves, each whole 16-row slabs
+])
+def test_the_triton_build_rewrites_and_reads_back_the_checkpoint(activation, order, poison_empty):
+    """The build pads MX sizes to whole groups of 32, so every Triton MXFP4 layer's weights fit the layout."""
+    I = 96
+    layer = make_layer("triton.fused_moe", MXFP4, activation=activation, dtype=Dtype.fp16, E=4, H=128, I=I,
+                       device=DEVICE, bias=True)
+    w = layer.weights
+    assert w.fp4_fragment_order == order
+    reference = make_layer("torch.reference", MXFP4, activation=activation, dtype=Dtype.fp16, E=4, H=128, I=I,
+                           device=DEVICE, bias=True).weights
+    assert reference.fp4_fragment_order is None
+    assert torch.equal(w.checkpoint_packed("w13"), reference.w13)
+    assert torch.equal(w.checkpoint_packed("w2"), reference.w2)
+    assert not torch.equal(w.w13, reference.w13) and not torch.equal(w.w2, reference.w2)
+    x, ids, topw = random_inputs(layer, 37, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=topw), reference64(layer, x, ids, topw)) < TOL
+
+
+TILES = [  # (BLOCK_M, BLOCK_N gemm1, BLOCK_N gemm2, BLOCK_K, SWAP_AB): GEMV rows, mma.sync, wgmma-shaped, masked K
+    (1, 8, 16, 64, False), (1, 16, 32, 128, True), (16, 16, 32, 32, False), (16, 32, 64, 64, True),
+    (64, 32, 64, 128, False), (16, 16, 16, 256, True),
+]
+
+
+@pytest.mark.parametrize("activation", [Activation.swigluoai, Activation.silu])
+@pytest.mark.parametrize("block_m,bn1,bn2,block_k,swap", TILES)
+def test_fragment_order_at_every_tile_kind(activation, block_m, bn1, bn2, block_k, swap, poison_empty, monkeypatch):
+    """H=160 and I=96: K is five and three MX groups (partial last K steps at BLOCK_K 64-256), columns past N in the
+    last tiles; GEMM1's BLOCK_N 8 (tuned GEMV rows) is widened to a whole slab, and GEMV rows step K by at least
+    128 (`launch._fragment_tiles`: at 64, paired ones were wrong on the H200)."""
+    def tile(n):
+        return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap)
+    run_with_config(monkeypatch, lambda cfg: MoEConfig(BLOCK_M=block_m, gemm1=tile(bn1), gemm2=tile(bn2)))
+    layer = make_layer("triton.fused_moe", MXFP4, activation=activation, dtype=Dtype.fp16, E=4, H=160, I=96,
+                       device=DEVICE, bias=True)
+    assert layer.weights.fp4_fragment_order is not None
+    x, ids, w = random_inputs(layer, 11, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < TOL

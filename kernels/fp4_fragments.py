@@ -25,8 +25,9 @@ n = 32 s + 2 (8 h + g) + u) and lane 4 g + c holds 16 bytes per group: word 2 u 
 (a 512-byte run per slab and group).
 
 Measured on the H200 (bench/results/s28), with triton_kernels' tile shape (weights on wgmma's M side, 128-deep
-K steps) now the tuned tile at every M >= 16: the whole MXFP4 forward 1.04-1.27x faster than checkpoint order
-with its own best tiles, triton_kernels / ours 0.853 -> 0.993 geomean. Tiles with the weights on the N side
+K steps) now the tuned tile at every M >= 16: the whole MXFP4 forward 1.08-1.29x faster at M >= 16 than
+checkpoint order with its own best tiles measured in session 27 (another call), 0.91x at M=1 (GEMV rows);
+triton_kernels / ours 0.853 -> 0.993 geomean. Tiles with the weights on the N side
 (unswapped) read this layout worse than the checkpoint's (sm_90 SASS: 7.6 against 5.3 instructions per weight).
 
 The layout needs whole slabs and MX groups (`fits`). A kernel tile of it reads whole slabs

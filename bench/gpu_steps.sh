@@ -19,6 +19,7 @@
 #             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
 #   profile_mx  ncu (hardware counters, clocks left alone) of triton_kernels' and our MXFP4 GEMMs, once each, on
 #             PROFILE_MODELS (default gpt-oss-120b) at PROFILE_MS (default 256): bench/tk_mxfp4.py --profile
+#   gemv_probe  which fragment-order MXFP4 GEMV tiles compute right (bench/fp4_gemv_probe.py)
 #   tune_mx   tune MXFP4 on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64 256), TUNE_SECONDS each;
 #             TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -91,6 +92,9 @@ compare_mx() {
   PYTHONPATH=/tmp/site:$PWD/carry/base timeout 100 python3 bench/moe.py $args --out "$out/base" > "$out/base.log" 2>&1
   # shellcheck disable=SC2086
   timeout 100 python3 bench/moe.py $args --baseline "$out/base/results.json" --out "$out/new" > "$out/new.log" 2>&1
+}
+gemv_probe() {
+  timeout "${PROBE_SECONDS:-150}" python3 bench/fp4_gemv_probe.py --out "$out" > "$out/gemv_probe.log" 2>&1
 }
 tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one-row tiles, LoRA, edge shapes)
   timeout 80 python3 -m pytest tests/kernels/test_fused_moe.py tests/kernels/test_lora.py \

@@ -112,24 +112,28 @@ class MoEWeights:
             lora.check_matches(num_experts=self.num_experts, rows13=self.w13.shape[1], hidden=self.hidden,
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
 
-    def use_fragment_order(self, *, interleaved: bool) -> Optional[str]:
-        """Rewrite MXFP4 w13 and w2, in place and once, in fp4_fragments' order; returns `fp4_fragment_order`.
+    def use_fragment_order(self, *, interleaved: bool) -> None:
+        """Rewrite MXFP4 w13 and w2, in place and once, in fp4_fragments' order (what the Triton GEMMs read).
 
         Each slab is permuted within itself, so shapes, strides and memory stay as they are. A gated w13 whose
         gate and up rows are halves needs I % 16 == 0 (each half whole slabs); `interleaved` (gate0, up0, ...)
-        is held in PAIRS of 32 rows, 2I % 32 == 0. Weights of other shapes stay in checkpoint order (None).
+        is held in PAIRS of 32 rows. MX sizes padded to whole groups of 32 (what build_layer does) always fit.
         """
         if self.scheme.k_pack != 2 or self.fp4_fragment_order:
-            return self.fp4_fragment_order
+            return
         pairs = interleaved and self.gated
-        halves_ok = pairs or not self.gated or self.intermediate % fp4_fragments.SLAB == 0
-        if not (halves_ok and fp4_fragments.fits(self.w13.shape[1], self.hidden, pairs=pairs)
-                and fp4_fragments.fits(self.w2.shape[1], self.intermediate)):
-            return None
-        self.w13.copy_(fp4_fragments.to_fragment_order(self.w13, pairs=pairs))
-        self.w2.copy_(fp4_fragments.to_fragment_order(self.w2))
+        if self.gated and not pairs and self.intermediate % fp4_fragments.SLAB:
+            raise KernelInputError(f"MXFP4 fragment order: gate and up halves of I={self.intermediate} rows are not "
+                                   f"whole {fp4_fragments.SLAB}-row slabs; pad I to a multiple of 32 (MX groups)")
+        try:
+            w13 = fp4_fragments.to_fragment_order(self.w13, pairs=pairs)
+            w2 = fp4_fragments.to_fragment_order(self.w2)
+        except ValueError as exc:
+            raise KernelInputError(f"MXFP4 w13 {tuple(self.w13.shape)} / w2 {tuple(self.w2.shape)}: {exc}; pad "
+                                   "hidden and intermediate to multiples of 32 (MX groups)") from None
+        self.w13.copy_(w13)
+        self.w2.copy_(w2)
         self.fp4_fragment_order = fp4_fragments.PAIRS if pairs else fp4_fragments.ROWS
-        return self.fp4_fragment_order
 
     def checkpoint_packed(self, name: str) -> torch.Tensor:
         """w13 or w2 in the layout of this module's doc, whatever `use_fragment_order` did (a copy if it did)."""

@@ -30,9 +30,9 @@ def shard_weights(weights: MoEWeights, placement: Placement, rank: int, *,
                   activation: Optional[Activation] = None) -> MoEWeights:
     """This rank's MoEWeights. `activation` (the gate/up row layout) is needed for the tensor placement."""
     placement.check()
-    if weights.padding not in (None, (0, 0)):
-        raise PlacementError("these weights were already padded by a layer build; shard the unpadded global "
-                             "weights and let each rank's build pad its shard")
+    if weights.padding not in (None, (0, 0)) or weights.fp4_fragment_order:
+        raise PlacementError("these weights were already padded (or, MXFP4, rewritten in fragment order) by a layer "
+                             "build; shard the unpadded global weights and let each rank's build pad its shard")
     if weights.num_experts != placement.num_experts:
         raise PlacementError(f"the weights hold {weights.num_experts} experts but the placement is for "
                              f"{placement.num_experts}; shard the global weights")

@@ -93,31 +93,31 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
     return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
-# MXFP4 decode (at most one row per expert): GEMV rows, narrow N tiles, 512-deep K steps. The tuner reached these
-# tiles on the H100 and the H200 alike for gpt-oss-120b at M=1: 53.3 and 50.4 us, against 76.9 us for the best
-# 16-row MMA tiles on the H100 (bench/results/gemv, bench/results/tune_h200).
-_MXFP4_GEMV_GEMM1 = GemmConfig(BLOCK_N=8, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
-_MXFP4_GEMV_GEMM2 = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
+# MXFP4 decode (at most one row per expert): GEMV rows, narrow N tiles, 512-deep K steps, the weights in fragment
+# order (fp4_fragments.py) as the tuner reached them on the H200 for both gpt-oss models at M=1 (51.2 and 51.7 us;
+# bench/results/s28 c.). In checkpoint order, GEMV rows had beaten the best 16-row MMA tiles 1.44x on the H100.
+_MXFP4_GEMV_GEMM1 = GemmConfig(BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=1, SWAP_AB=True)
+_MXFP4_GEMV_GEMM2 = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=True)
+# MXFP4 MMA tiles: triton_kernels' Hopper shape at 4 warps (128 weight rows on wgmma's M side, 128-deep K steps),
+# the fastest seed at all 12 gpt-oss points with M >= 16 on the H200 in fragment order (bench/results/s28 b.).
+_MXFP4_GEMM1 = GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
+_MXFP4_GEMM2 = GemmConfig(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
 
 
 def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
-    """MX defaults, from sweeps on gpt-oss-120b shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
+    """MX defaults, from sweeps on gpt-oss shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
 
-    MXFP4 is bound by its in-register decode, and every BLOCK_M block of an expert decodes that
-    expert's weights again, so BLOCK_M is the smallest power of two that holds the mean rows per
-    expert (one block, one decode): e.g. at M=2048 one 64-row block ran 1.36x faster than a 128-row
-    one and 2x faster than two 32-row ones; at most one row per expert, GEMV rows (BLOCK_M 1).
+    Every BLOCK_M block of an expert decodes that expert's weights again, so MXFP4's BLOCK_M is the smallest power
+    of two that holds the mean rows per expert (one block, one decode): in checkpoint order at M=2048 one 64-row
+    block ran 1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned fragment-order tiles
+    keep that rule at every gpt-oss point; at most one row per expert, GEMV rows (BLOCK_M 1).
     MXFP8 steps one 32-group per K step (see fused_moe.py).
     """
     if fp4 and rows_per_expert <= 1:
         return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV_GEMM1, gemm2=_MXFP4_GEMV_GEMM2)
     if fp4:
         block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
-        g = {16: GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
-             32: GemmConfig(BLOCK_N=128, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=4),
-             64: GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
-             128: GemmConfig(BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)}[block_m]
-        return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
+        return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)
     if rows_per_expert <= 48:
         block_m = 16 if rows_per_expert <= 16 else 32
         g = GemmConfig(BLOCK_N=64, BLOCK_K=MX_GROUP, GROUP_M=1, num_warps=4, num_stages=4)

@@ -22,25 +22,25 @@ Scale codes (tl.constexpr):
            4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
   W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
            4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
-  W_FP4:   0 no; 1 the weights are packed e2m1 pairs [E, N, K/2] (low nibble = even k), MXFP4; 2 the same
-           with every e8m0 scale at most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode
-           then folds its fixed 2^126 into the scale; 3 and 4: as 1 and 2, the bytes in the MMA fragment order
-           of fp4_fragments.py (what our Triton experts build), read by `_fp4_fragment_tile`.
+  W_FP4:   0 no; 1 the weights are packed e2m1 pairs in the MMA fragment order of fp4_fragments.py (what our
+           Triton experts build from the checkpoint's [E, N, K/2]), MXFP4; 2 the same with every e8m0 scale at
+           most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode then folds its fixed 2^126 into
+           the scale.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
 whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
-  - MXFP4: the packed tile is unpacked and scaled (exactly: the scales are powers of two) into the
-    activation dtype, then either one bf16/fp16 MMA per half (the even and odd k of the activations meet
-    the low and high nibbles: mma.sync tiles) or the nibbles interleaved back into k order and one MMA
-    (wgmma tiles and GEMV rows; `_fp4_mma` says why). At 0.53 bytes per weight the decode
-    instructions could bound this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4
-    instructions per weight for the whole GPU), so bf16 decodes four bytes at a time in PTX on packed
-    registers (_E2M1X4_TO_BF16); fp16 and the interpreter use Triton code. Measured, they bound only the
-    GEMV rows: 9% fewer decode instructions made those 1.03x faster and left the MMA tiles level
-    (bench/results/s27), which wait on their per-step stores, barriers and MMA completions instead.
-    `tl.dot_scaled`, whose Hopper lowering upcasts in the compiler, measured no faster than the Triton-code
-    decode (H200, Triton 3.6) and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
+  - MXFP4: the packed tile, in fragment order, is unpacked and scaled (exactly: the scales are powers of two)
+    into the activation dtype straight into the registers of one MMA per K step whose A operand it is: the
+    weights on wgmma's (or mma.sync's) M side, the tokens on its N side (`_fp4_fragment_tile`; the host swaps
+    every MXFP4 tile, `launch._fragment_tiles`). At 0.53 bytes per weight the decode instructions could bound
+    this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4 instructions per weight for the whole
+    GPU), so bf16 decodes four bytes at a time in PTX on packed registers (_E2M1X4_TO_BF16); fp16 and the
+    interpreter use Triton code. On sm_90 the K loop of triton_kernels' tile shape issues 3.9-4.0 instructions
+    per weight (triton_kernels 3.6-3.8); the checkpoint's order, read byte by byte with the decoded tile shuffled
+    or stored for the MMA, took 4.7-5.8 (bench/results/s27, s28). `tl.dot_scaled`, whose Hopper lowering upcasts
+    in the compiler, measured no faster than the Triton-code decode on the checkpoint order (H200, Triton 3.6)
+    and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
     stored bytes and its [BLOCK_M, BLOCK_N] result is scaled by sa*sw before it is added (as block128):
     fp8 tensor-core rate and fp8 bytes in shared memory, at one MMA wait per 32 of K. Upcasting both
@@ -185,9 +185,10 @@ def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_
 # bit 15, and its e/m bits (12..14) shift to 6..8. Three SASS instructions per bf16x2 instead of four when
 # the nibbles sat in the low byte (two shifts and two masks each). Multiplying by 2^126 and then by the scale
 # (powers of two; fma with -0 keeps every sign, and bf16x2 fma is sm80+) is exact. Folded, the scale operand
-# already holds scale * 2^126, one multiply per pair. Compiled for sm_90, GEMM1's main loop (BLOCK 16x32x64)
-# came to 5.2 SASS instructions per weight (5.72 with the low-byte decode, 11 with the Triton-code decode
-# of _e2m1_unpack).
+# already holds scale * 2^126, one multiply per pair. Compiled for sm_90 on the checkpoint's byte order, GEMM1's
+# main loop (BLOCK 16x32x64) came to 5.2 SASS instructions per weight (5.72 with the low-byte decode, 11 with the
+# Triton-code decode of _e2m1_unpack); in fragment order the bytes of one call are one lane's word, and its four
+# outputs the four registers of its MMA fragment (fp4_fragments.py).
 _E2M1X4_PROLOGUE = """{
 .reg .b32 h0, h1, e, s, v, zero, negz, two126;
 mov.b32 zero, 0;
@@ -218,7 +219,7 @@ _E2M1X4_TO_BF16_FOLDED = tl.constexpr(_e2m1x4_to_bf16_asm(folded=True))
 
 @triton.jit
 def _e2m1_unpack_bf16(packed, s, FOLDED: tl.constexpr):
-    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (even k, odd k) bf16 values.
+    """packed e2m1 bytes [..] (uint8) and their e8m0 scales (broadcastable) -> (low nibbles, high nibbles) in bf16.
 
     FOLDED needs every s <= E8M0_FOLD_MAX: 2^(s - 127) * 2^126 = 2^(s - 1) is then a finite bf16.
     """
@@ -276,72 +277,14 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn
 
 
 @triton.jit
-def _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K,
-             W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc += a[:, k0:k0+BLOCK_K] . w[w_rows, same k] for packed e2m1 weights with e8m0 group scales.
-
-    Checkpoint order (W_FP4 1, 2): the packed tile is loaded as [groups, 16 bytes, BLOCK_N] (swapped:
-    [BLOCK_N, groups, 16 bytes], the checkpoint's own order) so each group's scale broadcasts along its bytes.
-    Fragment order (W_FP4 3, 4): `_fp4_fragment_tile`, one MMA per K step.
-    """
-    if W_FP4 >= 3:
-        w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, a.dtype,
-                               W_FP4 == 4, PAIRED, BLOCK_N, BLOCK_K)
-        if not SWAP_AB:
-            w = tl.trans(w)
-        acc = _dot(a, w, acc, SWAP_AB)
-    else:
-        acc = _fp4_checkpoint_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
-    return acc
-
-
-@triton.jit
-def _fp4_checkpoint_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
-    """`_fp4_mma` on checkpoint-order weights."""
-    HALF: tl.constexpr = MX_GROUP // 2
-    rows = w_rows.to(tl.int64)
-    g = k0 // MX_GROUP + tl.arange(0, BLOCK_K // MX_GROUP)
-    g_ok = g < K // MX_GROUP
-    half = tl.arange(0, HALF)
-    if SWAP_AB:
-        mask = col_ok[:, None] & g_ok[None, :]                                 # [BLOCK_N, groups]
-        byte = g[None, :, None] * HALF + half[None, None, :]
-        packed = tl.load(w_e + rows[:, None, None] * stride_wn + byte, mask=mask[:, :, None], other=0)
-        s = tl.load(w_scale_e + rows[:, None] * stride_wsn + g[None, :], mask=mask, other=0)[:, :, None]
-        w_shape: tl.constexpr = (BLOCK_N, BLOCK_K // 2)
-    else:
-        mask = g_ok[:, None] & col_ok[None, :]                                 # [groups, BLOCK_N]
-        byte = g[:, None, None] * HALF + half[None, :, None]
-        packed = tl.load(w_e + rows[None, None, :] * stride_wn + byte, mask=mask[:, None, :], other=0)
-        s = tl.load(w_scale_e + rows[None, :] * stride_wsn + g[:, None], mask=mask, other=0)[:, None, :]
-        w_shape: tl.constexpr = (BLOCK_K // 2, BLOCK_N)
-    if a.dtype == tl.bfloat16:
-        w_even, w_odd = _e2m1_unpack_bf16(packed, s, W_FP4 == 2)
-    else:
-        w_even, w_odd = _e2m1_unpack(packed, s, a.dtype)
-    # Hopper's wgmma (the MMA's M side a multiple of 64) reads B from shared memory: one dot over the whole K step,
-    # the nibbles interleaved back into k order, stores the decoded tile once and waits once per step, and A (the
-    # tokens) comes straight from the pipelined load; two half-K dots stored, fenced and waited twice. So does a
-    # GEMV row (no MMA). The mma.sync tiles keep the two dots, whose even/odd activations cost less there than
-    # the interleaving. Same session on the H200 (bench/results/s27): one dot ran 1.01-1.05x faster at the 64- and
-    # 128-row tiles of M >= 1024, 1.06x at the GEMV rows of gpt-oss-120b M=16, and 0.88-0.89x at the 32-row
-    # mma.sync tiles of gpt-oss-120b M=1024 and gpt-oss-20b M=256.
-    ONE_DOT: tl.constexpr = BLOCK_M == 1 or (not SWAP_AB and BLOCK_M % 64 == 0)
-    if ONE_DOT:
-        w = tl.join(w_even, w_odd)                                             # each byte's two nibbles last
-        if SWAP_AB:
-            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-        else:
-            w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_K, BLOCK_N))
-        acc = _dot(a, w, acc, SWAP_AB)
-    else:
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-        acc = _dot(a_even, tl.reshape(w_even, w_shape), acc, SWAP_AB)
-        acc = _dot(a_odd, tl.reshape(w_odd, w_shape), acc, SWAP_AB)
-    return acc
+def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
+             PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc^T += w[slab rows, k0:k0+BLOCK_K] . a[:, same k]^T for MXFP4 weights in fragment order: one MMA per K
+    step, the decoded weights its A operand (the host swaps every such tile: `launch._fragment_tiles`)."""
+    tl.static_assert(SWAP_AB, "MXFP4 tiles run swapped (launch._fragment_tiles)")
+    w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, a.dtype, W_FP4 == 2,
+                           PAIRED, BLOCK_N, BLOCK_K)
+    return _dot(a, w, acc, SWAP_AB)
 
 
 @triton.jit
@@ -351,8 +294,8 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
-        acc = _fp4_mma(acc, a, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K,
-                       W_FP4, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
+                       BLOCK_N, BLOCK_K, SWAP_AB)
     else:
         w_off = w_rows.to(tl.int64) * stride_wn
         if SWAP_AB:
@@ -502,11 +445,11 @@ def gemm1_gated_kernel(
     w_cols = pid_n * BLOCK_N + j % BLOCK_N
     w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
     w_ok = w_cols < N
-    slab_rows, slab_ok = w_rows, w_ok  # fragment-order MXFP4 reads whole slabs (16 rows; PAIRED 32)
-    if W_FP4 >= 3 and PAIRED:
+    slab_rows, slab_ok = w_rows, w_ok  # MXFP4 reads whole slabs of fragment order (16 rows; PAIRED 32)
+    if W_FP4 and PAIRED:
         slab_rows = 2 * pid_n * BLOCK_N + 32 * tl.arange(0, W_COLS // 32)
         slab_ok = slab_rows < 2 * N
-    elif W_FP4 >= 3:
+    elif W_FP4:
         slab = 16 * tl.arange(0, W_COLS // 16)
         slab_rows = (pid_n * BLOCK_N + slab % BLOCK_N) * gate_row_step + (slab // BLOCK_N) * up_row_offset
         slab_ok = pid_n * BLOCK_N + slab % BLOCK_N < N
@@ -561,7 +504,7 @@ def gemm2_weighted_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     slab_rows, slab_ok = cols, col_ok
-    if W_FP4 >= 3:
+    if W_FP4:
         slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
         slab_ok = slab_rows < N
     w_e = w_ptr + e * stride_we

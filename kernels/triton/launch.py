@@ -14,6 +14,7 @@ import torch
 import triton
 
 from moerules.activation import Activation, SwigluParams
+from moerules.errors import KernelInputError
 from moerules.quant import Granularity
 
 from .. import fp4_fragments
@@ -36,7 +37,7 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 # K step of the LoRA shrink: its N is the rank, so the K loop is all its work and its latency at small M
 # (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
 _SHRINK_BLOCK_K = 128
-_GEMV_FRAGMENT_K = 128  # `_fragment_tiles`
+_GEMV_FRAGMENT_K, _GEMV_FRAGMENT_WARPS = 128, 4  # `_fragment_tiles`
 
 
 def _scheme_flags(weights: MoEWeights) -> dict:
@@ -48,21 +49,32 @@ def _scheme_flags(weights: MoEWeights) -> dict:
 
 
 def _fp4_code(weights: MoEWeights) -> int:
-    """fused_moe.py's W_FP4: checkpoint order 1 (2 with folded scales), fragment order 3 (4 folded)."""
-    return (3 if weights.fp4_fragment_order else 1) + weights.fp4_scales_fold
+    """fused_moe.py's W_FP4 for MXFP4 weights: 1, or 2 with folded scales."""
+    if not weights.fp4_fragment_order:
+        raise KernelInputError("the Triton GEMMs read MXFP4 weights in fp4_fragments' order and these are in the "
+                               "checkpoint's: call weights.use_fragment_order(interleaved=...) once first (the "
+                               "build of a triton.fused_moe layer does)")
+    return 1 + weights.fp4_scales_fold
 
 
 def _fragment_tiles(cfg: MoEConfig, weights: MoEWeights) -> MoEConfig:
-    """cfg as fp4 fragment-order weights run it: weight tiles of whole slabs (BLOCK_N >= 16; a paired GEMM1
-    tile's 2 * BLOCK_N rows are BLOCK_N / 16 slabs of 32), and GEMV rows (BLOCK_M 1) with K steps of at least
-    _GEMV_FRAGMENT_K: at BLOCK_K 64, paired GEMM1 GEMV rows computed wrong results on the H200, swapped or not
-    (rel. err 0.85; right under the interpreter; cause not isolated), at 128 and 512 right (bench/results/s28)."""
-    if not weights.fp4_fragment_order:
+    """cfg as the GEMMs run it on MXFP4 weights, which are in fragment order (other weights run cfg as it is):
+
+    - swapped (SWAP_AB): the layout is the A operand's; as the B operand the tiles tuned for checkpoint order ran
+      2-3x slower on it (H200, bench/results/s28 b.);
+    - weight tiles of whole slabs: BLOCK_N >= 16 (a paired GEMM1 tile's 2 * BLOCK_N rows are slabs of 32);
+    - GEMV rows (BLOCK_M 1) on 4 warps with K steps of at least 128: other GEMV tiles computed wrong results on the
+      H200 (4 warps at BLOCK_K 32/64 with GEMM1 BLOCK_N 16, bf16 on 1 warp at 128; right under the interpreter,
+      cause not isolated: bench/fp4_gemv_probe.py, bench/results/s28 d.).
+    """
+    if weights.scheme.k_pack != 2:
         return cfg
-    k_min = _GEMV_FRAGMENT_K if cfg.BLOCK_M == 1 else 0
+    gemv = cfg.BLOCK_M == 1
 
     def tile(g: GemmConfig) -> GemmConfig:
-        return replace(g, BLOCK_N=max(g.BLOCK_N, fp4_fragments.SLAB), BLOCK_K=max(g.BLOCK_K, k_min))
+        return replace(g, BLOCK_N=max(g.BLOCK_N, fp4_fragments.SLAB), SWAP_AB=True,
+                       BLOCK_K=max(g.BLOCK_K, _GEMV_FRAGMENT_K) if gemv else g.BLOCK_K,
+                       num_warps=_GEMV_FRAGMENT_WARPS if gemv else g.num_warps)
     return replace(cfg, gemm1=tile(cfg.gemm1), gemm2=tile(cfg.gemm2))
 
 
@@ -140,8 +152,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
-    cfg = _fragment_tiles(config, weights) if config else config_for(weights, num_tokens=T, top_k=k,
-                                                                        device=x_q.device)
+    cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
@@ -160,10 +171,9 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
     """The config `fused_moe` runs with when given none: the tuned file's nearest M, else the heuristic."""
-    cfg = get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
-                     top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
-                     device_name=device_name(device))
-    return _fragment_tiles(cfg, weights)
+    return get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
+                      top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
+                      device_name=device_name(device))
 
 
 def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,
@@ -177,6 +187,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     dummy = weights.w13
     bias = weights.w13_bias if weights.has_bias else dummy
     s_e, s_n = _scale_strides(weights.w13_scale)
+    cfg = _fragment_tiles(cfg, weights)
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
@@ -203,6 +214,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     dummy = weights.w13
     bias = weights.w2_bias if weights.has_bias else dummy
     s_e, s_n = _scale_strides(weights.w2_scale)
+    cfg = _fragment_tiles(cfg, weights)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](

@@ -8,8 +8,13 @@ import torch
 from kernel_helpers import DEVICE, make_layer, random_inputs, reference64, rel_err, run_with_config
 
 from moerules.activation import Activation, Dtype
-from moerules.kernels import fp4_fragments
+from moerules.errors import KernelInputError
+from moerules.kernels import fp4_fragments, make_random_weights
+from moerules.kernels.ep.placement import Placement, PlacementError
+from moerules.kernels.ep.sharding import shard_weights
+from moerules.kernels.scheme import quant_for_cell
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
+from moerules.kernels.triton.launch import fused_moe
 
 MXFP4 = "mxfp4_w4a16/group32"
 TOL = 2e-3  # test_mx.py's MXFP4 bound (fp16 out against the float64 reference)
@@ -73,6 +78,33 @@ def test_the_triton_build_rewrites_and_reads_back_the_checkpoint(activation, ord
     assert rel_err(layer(x, topk_ids=ids, topk_weights=topw), reference64(layer, x, ids, topw)) < TOL
 
 
+def test_sharding_refuses_weights_a_build_rewrote(poison_empty):
+    """Slicing w2's K columns of fragment-order bytes would mix groups: shards are cut from checkpoint order."""
+    layer = make_layer("triton.fused_moe", MXFP4, activation=Activation.swigluoai, dtype=Dtype.fp16, E=4, H=64,
+                       I=64, device=DEVICE)
+    with pytest.raises(PlacementError, match=r"rewritten in fragment order\) by a layer build"):
+        shard_weights(layer.weights, Placement.tensor(num_experts=4, num_ranks=2), 0, activation=Activation.swigluoai)
+
+
+def test_the_gemms_refuse_checkpoint_order_and_halves_that_split_a_slab(poison_empty):
+    def weights(I):
+        return make_random_weights(num_experts=2, hidden=64, intermediate=I, quant=quant_for_cell(MXFP4),
+                                   in_dtype=Dtype.fp16, has_bias=False, seed=0, device=DEVICE)
+    w = weights(64)
+    x = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(KernelInputError) as err:
+        fused_moe(x, a_scale=None, weights=w, topk_ids=ids, topk_weights=torch.ones(3, 1, device=DEVICE),
+                  activation=Activation.silu, quantize_intermediate=lambda t: (t, None), out_dtype=torch.float16)
+    assert str(err.value) == ("the Triton GEMMs read MXFP4 weights in fp4_fragments' order and these are in the "
+                              "checkpoint's: call weights.use_fragment_order(interleaved=...) once first (the "
+                              "build of a triton.fused_moe layer does)")
+    with pytest.raises(KernelInputError) as err:
+        weights(40).use_fragment_order(interleaved=False)
+    assert str(err.value) == ("MXFP4 fragment order: gate and up halves of I=40 rows are not whole 16-row slabs; "
+                              "pad I to a multiple of 32 (MX groups)")
+
+
 TILES = [  # (BLOCK_M, BLOCK_N gemm1, BLOCK_N gemm2, BLOCK_K, SWAP_AB): GEMV rows, mma.sync, wgmma-shaped, masked K
     (1, 8, 16, 64, False), (1, 16, 32, 128, True), (16, 16, 32, 32, False), (16, 32, 64, 64, True),
     (64, 32, 64, 128, False), (16, 16, 16, 256, True),
@@ -83,8 +115,8 @@ TILES = [  # (BLOCK_M, BLOCK_N gemm1, BLOCK_N gemm2, BLOCK_K, SWAP_AB): GEMV row
 @pytest.mark.parametrize("block_m,bn1,bn2,block_k,swap", TILES)
 def test_fragment_order_at_every_tile_kind(activation, block_m, bn1, bn2, block_k, swap, poison_empty, monkeypatch):
     """H=160 and I=96: K is five and three MX groups (partial last K steps at BLOCK_K 64-256), columns past N in the
-    last tiles; GEMM1's BLOCK_N 8 (tuned GEMV rows) is widened to a whole slab, and GEMV rows step K by at least
-    128 (`launch._fragment_tiles`: at 64, paired ones were wrong on the H200)."""
+    last tiles. As `launch._fragment_tiles` runs them: swapped, GEMM1's BLOCK_N 8 widened to a whole slab, GEMV
+    rows on 4 warps and K steps >= 128."""
     def tile(n):
         return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap)
     run_with_config(monkeypatch, lambda cfg: MoEConfig(BLOCK_M=block_m, gemm1=tile(bn1), gemm2=tile(bn2)))
@@ -93,3 +125,25 @@ def test_fragment_order_at_every_tile_kind(activation, block_m, bn1, bn2, block_
     assert layer.weights.fp4_fragment_order is not None
     x, ids, w = random_inputs(layer, 11, 2, device=DEVICE)
     assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the wrong GEMV tiles were wrong on the H200 only")
+@pytest.mark.parametrize("dtype", [Dtype.fp16, Dtype.bf16])
+def test_every_gemv_tile_runs_as_a_right_one(dtype, poison_empty, monkeypatch):
+    """bench/fp4_gemv_probe.py's grid (BLOCK_K x GEMM1 BLOCK_N x warps x SWAP_AB): without `_fragment_tiles`' GEMV
+    floor, 4 warps at BLOCK_K 32/64 with BLOCK_N 16 (both dtypes) and bf16 on 1 warp at 128 were wrong on the H200
+    (rel. err 1.1-12.6); through it, every one is right."""
+    forced = {}
+    run_with_config(monkeypatch, lambda cfg: forced["config"])
+    layer = make_layer("triton.fused_moe", MXFP4, activation=Activation.swigluoai, dtype=dtype, E=4, H=160, I=96,
+                       device=DEVICE, bias=True)
+    x, ids, w = random_inputs(layer, 11, 2, device=DEVICE)
+    reference = reference64(layer, x, ids, w)
+    for block_k in (32, 64, 128, 256):
+        for bn1, warps, swap in ((16, 1, False), (16, 4, False), (32, 1, True), (16, 4, True)):
+            def tile(n):
+                return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=2,
+                                  SWAP_AB=swap)
+            forced["config"] = MoEConfig(BLOCK_M=1, gemm1=tile(bn1), gemm2=tile(16))
+            err = rel_err(layer(x, topk_ids=ids, topk_weights=w), reference)
+            assert err < (TOL if dtype == Dtype.fp16 else 8e-3), (block_k, bn1, warps, swap, err)

@@ -290,8 +290,8 @@ def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, 
 @triton.jit
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok,
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
-            UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+            UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
@@ -461,8 +461,8 @@ def gemm1_gated_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows, slab_ok,
-                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, BLOCK_M,
-                      W_COLS, BLOCK_K, SWAP_AB)
+                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
+                      BLOCK_K, SWAP_AB)
     acc = _acc_rows_first(acc, SWAP_AB)
     if GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -515,8 +515,8 @@ def gemm2_weighted_kernel(
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, slab_rows, slab_ok,
-                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_M,
-                      BLOCK_N, BLOCK_K, SWAP_AB)
+                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
+                      BLOCK_K, SWAP_AB)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

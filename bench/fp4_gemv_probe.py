@@ -2,9 +2,11 @@
 
     python bench/fp4_gemv_probe.py --out DIR
 
-`launch._fragment_tiles` keeps GEMV K steps >= 128 because at BLOCK_K 64 the paired GEMM1 GEMV rows were wrong
-on the H200 (rel. err 0.85) and right under the interpreter. This lifts that floor and runs each GEMV tile
-(BLOCK_K x GEMM1 BLOCK_N x warps x SWAP_AB x dtype) of a small gpt-oss-shaped layer (E=4, H=160, I=96, swigluoai:
+`launch._fragment_tiles` runs GEMV rows on 4 warps with K steps >= 128 because other GEMV tiles were wrong on the
+H200 (first seen at BLOCK_K 64: rel. err 0.85) and right under the interpreter. This lifts that guard (each
+tile's own warps and K step) and runs each GEMV tile
+(BLOCK_K x GEMM1 BLOCK_N x warps x dtype; swapped, as every MXFP4 tile now runs: s28 d.'s table also has
+unswapped rows, taken before) of a small gpt-oss-shaped layer (E=4, H=160, I=96, swigluoai:
 paired w13) against the float64 reference on the same quantised weights, so the floor can be set from data.
 """
 
@@ -54,13 +56,15 @@ def main() -> int:
         layer = build_layer(kernel_id="triton.fused_moe", prepare_finalize_id="local", quant=MXFP4,
                             activation=Activation.swigluoai, in_dtype=dtype, activation_format="standard",
                             weights=weights, device="cuda", weight_block=32)
-        for block_k, bn1, warps, swap in itertools.product((64, 32, 128, 256), (16, 32), (1, 4), (False, True)):
+        for block_k, bn1, warps in itertools.product((64, 32, 128, 256), (16, 32), (1, 4)):
+            launch._GEMV_FRAGMENT_WARPS = warps  # the guard keeps this tile's own warps
+
             def tile(n):
-                return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=2, SWAP_AB=swap)
+                return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=warps, num_stages=2, SWAP_AB=True)
             err = rel_err(layer, dtype, MoEConfig(BLOCK_M=1, gemm1=tile(bn1), gemm2=tile(16)))
             rows.append({"dtype": dtype.value, "BLOCK_K": block_k, "gemm1_BLOCK_N": bn1, "warps": warps,
-                         "swap": swap, "rel_err": err})
-            print(f"{dtype.value} K{block_k} N{bn1} w{warps} {'swap' if swap else 'noswap'}: {err:.2e}", flush=True)
+                         "rel_err": err})
+            print(f"{dtype.value} K{block_k} N{bn1} w{warps}: {err:.2e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemv_probe.json").write_text(json.dumps(rows, indent=1))
     return 0

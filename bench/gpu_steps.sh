@@ -82,8 +82,8 @@ profile_mx() {
     --out "$out/profile" > "$out/ncu_mx.log" 2>&1
 }
 tests_mx() {
-  timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py tests/kernels/test_fp4_fragments.py \
-    tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1 or fragment" -q -n 8 --tb=line \
+  timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py \
+    tests/kernels/test_fp4_fragments.py tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1 or fragment" -q -n 8 --tb=line \
     -p no:benchmark -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest.log"
 }
 compare_mx() {

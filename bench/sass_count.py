@@ -51,6 +51,7 @@ import tk_mxfp4
 from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES
 from moerules.activation import Dtype, SwigluParams
 from moerules.kernels import fp4_fragments
+from moerules.kernels.activations import is_interleaved
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton import launch
 from moerules.kernels.triton.align import Alignment, max_blocks
@@ -107,8 +108,9 @@ def empty_weights(model, scheme_name: str) -> MoEWeights:
                  w2_scale=torch.full((E, H, I // 32), 127, dtype=torch.uint8))
     if model.bias:
         w.update(w13_bias=torch.empty(E, 2 * I, dtype=torch.bfloat16), w2_bias=torch.empty(E, H, dtype=torch.bfloat16))
-    return MoEWeights(scheme=scheme, in_dtype=Dtype.bf16, **w,
-                      fp4_fragment_order=fp4_fragments.PAIRS if scheme.k_pack == 2 else None)
+    pairs = model.activation.gated and is_interleaved(model.activation)
+    order = (fp4_fragments.PAIRS if pairs else fp4_fragments.ROWS) if scheme.k_pack == 2 else None
+    return MoEWeights(scheme=scheme, in_dtype=Dtype.bf16, **w, fp4_fragment_order=order)
 
 
 def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> list[Launch]:

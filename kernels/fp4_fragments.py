@@ -24,11 +24,11 @@ g + 8 are columns g and g + 8, each a gate and an up row. Slabs are then 32 rows
 n = 32 s + 2 (8 h + g) + u) and lane 4 g + c holds 16 bytes per group: word 2 u + j, its bytes as above
 (a 512-byte run per slab and group).
 
-Measured on the H200 (bench/results/s28), with triton_kernels' tile shape (weights on wgmma's M side, 128-deep
-K steps) now the tuned tile at every M >= 16: the whole MXFP4 forward 1.08-1.29x faster at M >= 16 than
-checkpoint order with its own best tiles measured in session 27 (another call), 0.91x at M=1 (GEMV rows);
-triton_kernels / ours 0.853 -> 0.993 geomean. Tiles with the weights on the N side
-(unswapped) read this layout worse than the checkpoint's (sm_90 SASS: 7.6 against 5.3 instructions per weight).
+Measured on the H200 (bench/results/s28 e.), with triton_kernels' 4-warp tile shape (weights on wgmma's M side,
+128-deep K steps) the MXFP4 default: the whole forward 1.11-1.32x faster at M >= 16 than checkpoint order with
+its own best tiles in session 27 (another call), 0.90x at M=1 (GEMV rows); triton_kernels / ours 0.853 -> 1.006
+geomean. As the MMA's B operand (weights on the N side) the layout ran 2-3x slower, so every MXFP4 tile runs
+swapped (`launch._fragment_tiles`).
 
 The layout needs whole slabs and MX groups (`fits`). A kernel tile of it reads whole slabs
 (`fused_moe._fp4_fragment_tile`).

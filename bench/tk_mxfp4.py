@@ -161,8 +161,8 @@ def to_tk_weights(tk, w, *, layouts: tuple[tuple, tuple]) -> TkWeights:
 
     def fp32(bias):
         return None if bias is None else bias.float()
-    w13, s13 = to_tk_mx(tk, w.checkpoint_packed("w13"), w.w13_scale, layouts=layouts)
-    w2, s2 = to_tk_mx(tk, w.checkpoint_packed("w2"), w.w2_scale, layouts=layouts)
+    w13, s13 = to_tk_mx(tk, w.in_checkpoint_order("w13"), w.in_checkpoint_order("w13_scale"), layouts=layouts)
+    w2, s2 = to_tk_mx(tk, w.in_checkpoint_order("w2"), w.in_checkpoint_order("w2_scale"), layouts=layouts)
     return TkWeights(w13=w13, w2=w2, w13_precision=precision(s13), w2_precision=precision(s2),
                      w13_bias=fp32(w.w13_bias), w2_bias=fp32(w.w2_bias))
 

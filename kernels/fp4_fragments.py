@@ -30,6 +30,10 @@ its own best tiles in session 27 (another call), 0.90x at M=1 (GEMV rows); trito
 geomean. As the MMA's B operand (weights on the N side) the layout ran 2-3x slower, so every MXFP4 tile runs
 swapped (`launch._fragment_tiles`).
 
+Scales (e8m0 [.., N, K/32]) follow their slabs: per slab, group-major (the slab's 16 or 32 row bytes of group 0,
+then of group 1, ...), same shape, so one K step of a tile reads one contiguous run per slab, which Triton
+pipelines with the values (row-major, each step's scales were 4 synchronous byte loads per K step on sm_90).
+
 The layout needs whole slabs and MX groups (`fits`). A kernel tile of it reads whole slabs
 (`fused_moe._fp4_fragment_tile`).
 """
@@ -86,3 +90,21 @@ def to_checkpoint_order(fragments: torch.Tensor, *, pairs: bool = False) -> torc
     v = v.permute(*range(b), *(b + order.index(d) for d in range(len(order))))
     v = v.reshape(*lead, rows, half_k, 2)
     return (v[..., 0] | (v[..., 1] << 4)).contiguous()
+
+
+def _slab_rows(pairs: bool) -> int:
+    return 2 * SLAB if pairs else SLAB
+
+
+def scales_to_fragment_order(scales: torch.Tensor, *, pairs: bool = False) -> torch.Tensor:
+    """e8m0 scales [.., N, K/32] -> the same values group-major within each slab of rows, same shape."""
+    *lead, rows, groups = scales.shape
+    r = _slab_rows(pairs)
+    return scales.reshape(*lead, rows // r, r, groups).transpose(-1, -2).contiguous().reshape(scales.shape)
+
+
+def scales_to_checkpoint_order(scales: torch.Tensor, *, pairs: bool = False) -> torch.Tensor:
+    """The inverse of `scales_to_fragment_order`."""
+    *lead, rows, groups = scales.shape
+    r = _slab_rows(pairs)
+    return scales.reshape(*lead, rows // r, groups, r).transpose(-1, -2).contiguous().reshape(scales.shape)

@@ -55,13 +55,13 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     experts = [e for e in flat_ids.unique().tolist() if e >= 0]
     slots_of = {e: (flat_ids == e).nonzero().squeeze(1) for e in experts}
 
-    w13, w2 = weights.checkpoint_packed("w13"), weights.checkpoint_packed("w2")
+    w13, w2, s13, s2 = (weights.in_checkpoint_order(n) for n in ("w13", "w2", "w13_scale", "w2_scale"))
     # Zeros, so -1 slots are neutral for the intermediate's activation scales.
     inter = torch.zeros(T * k, weights.intermediate, dtype=in_dtype, device=x.device)
     for e in experts:
         slots = slots_of[e]
         xe = x[slot_token[slots]]
-        h = xe @ _expert_weight(w13, weights.w13_scale, e, scheme, compute_dtype).T
+        h = xe @ _expert_weight(w13, s13, e, scheme, compute_dtype).T
         if lora is not None:
             h = h + _lora_delta(xe, lora.w13_lora_a, lora.w13_lora_b, e, lora.scaling)
         if weights.has_bias:
@@ -79,7 +79,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
     flat_w = topk_weights.reshape(-1).to(compute_dtype)
     for e in experts:
         slots = slots_of[e]
-        y = inter_c[slots] @ _expert_weight(w2, weights.w2_scale, e, scheme, compute_dtype).T
+        y = inter_c[slots] @ _expert_weight(w2, s2, e, scheme, compute_dtype).T
         if lora is not None:  # inter_c is the unquantised intermediate here (LoRA needs unquantised activations)
             y = y + _lora_delta(inter_c[slots], lora.w2_lora_a, lora.w2_lora_b, e, lora.scaling)
         if weights.has_bias:

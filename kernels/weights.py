@@ -8,7 +8,7 @@ Layout (logical sizes E experts, H hidden, I intermediate; N1 = 2I gated, I non-
   w13_bias [E, N1], w2_bias [E, H] in the layer's in_dtype (optional)
   w13_scale / w2_scale: weight scales in the layouts of `quantize.py`
   Our Triton experts rewrite MXFP4 w13/w2 at build into the MMA fragment order of fp4_fragments.py
-  (`use_fragment_order`, same shapes); `checkpoint_packed` reads them back in the layout above.
+  and their scales (`use_fragment_order`, same shapes); `in_checkpoint_order` reads them back as above.
   a13_scale / a2_scale: static per-tensor activation scales ([1]) for the static fp8 scheme.
   lora: optional per-expert LoRA adapters (`lora.py`), padded together with the weights.
   correction_bias: the router's e_score_correction_bias [E_global] fp32 (DeepSeek-V3, GLM-4-MoE), which
@@ -69,7 +69,7 @@ class MoEWeights:
     # reduction per scale tensor); padding only adds scale 1 (E8M0_BIAS), which keeps it true.
     fp4_scales_fold: bool = field(init=False, default=False)
     # MXFP4 w13/w2 bytes in fp4_fragments' order (`use_fragment_order`, our Triton experts at build): None, or how
-    # w13 is held (fp4_fragments.ROWS or PAIRS; w2 is ROWS). What decodes values reads `checkpoint_packed`. An init
+    # w13 is held (fp4_fragments.ROWS or PAIRS; w2 is ROWS). What decodes values reads `in_checkpoint_order`. An init
     # field, so that dataclasses.replace (sharding, tests) carries it with the tensors.
     fp4_fragment_order: Optional[str] = None
 
@@ -113,7 +113,8 @@ class MoEWeights:
                                intermediate=self.intermediate, dtype=TORCH_DTYPE[self.in_dtype], device=self.device)
 
     def use_fragment_order(self, *, interleaved: bool) -> None:
-        """Rewrite MXFP4 w13 and w2, in place and once, in fp4_fragments' order (what the Triton GEMMs read).
+        """Rewrite MXFP4 w13, w2 and their scales, in place and once, in fp4_fragments' order (what the Triton GEMMs
+        read).
 
         Each slab is permuted within itself, so shapes, strides and memory stay as they are. A gated w13 whose
         gate and up rows are halves needs I % 16 == 0 (each half whole slabs); `interleaved` (gate0, up0, ...)
@@ -133,14 +134,19 @@ class MoEWeights:
                                    "hidden and intermediate to multiples of 32 (MX groups)") from None
         self.w13.copy_(w13)
         self.w2.copy_(w2)
+        self.w13_scale.copy_(fp4_fragments.scales_to_fragment_order(self.w13_scale, pairs=pairs))
+        self.w2_scale.copy_(fp4_fragments.scales_to_fragment_order(self.w2_scale))
         self.fp4_fragment_order = fp4_fragments.PAIRS if pairs else fp4_fragments.ROWS
 
-    def checkpoint_packed(self, name: str) -> torch.Tensor:
-        """w13 or w2 in the layout of this module's doc, whatever `use_fragment_order` did (a copy if it did)."""
+    def in_checkpoint_order(self, name: str) -> torch.Tensor:
+        """w13, w2 or their scales in the layouts of this module's doc, whatever `use_fragment_order` did (a copy if
+        it did)."""
         t = getattr(self, name)
         if not self.fp4_fragment_order:
             return t
-        pairs = name == "w13" and self.fp4_fragment_order == fp4_fragments.PAIRS
+        pairs = name.startswith("w13") and self.fp4_fragment_order == fp4_fragments.PAIRS
+        if name.endswith("_scale"):
+            return fp4_fragments.scales_to_checkpoint_order(t, pairs=pairs)
         return fp4_fragments.to_checkpoint_order(t, pairs=pairs)
 
     def checksum(self) -> str:

@@ -4,7 +4,7 @@ swizzle), and back. Pure torch: no triton_kernels needed, so CPU tests check it.
 triton_kernels multiplies x [T, K] by w [E, K, N]: the quantised axis K is dim 1 and is the stride-1
 axis, two e2m1 values per byte with the even k in the low nibble (its torch reference packs
 `evens | odds << 4`, numerics_details/mxfp.py), as ours does (mx.py). Our weights are [E, N, K/2], so
-the conversion is a transposed view of the checkpoint order (`MoEWeights.checkpoint_packed`; a copy only if our Triton
+the conversion is a transposed view of the checkpoint order (`MoEWeights.in_checkpoint_order`; a copy only if our Triton
 experts rewrote them): w13 [E, 2I, H/2] -> [E, H/2, 2I], w2 [E, H, I/2] -> [E, I/2, H].
 E8M0 scales go [E, N, K/32] -> [E, K/32, N] the same way, after padding the group count to a multiple
 of 4 with zero bytes (vLLM 0.33 does so for sm90, quantization/utils/mxfp4_utils.py:135-143, working
@@ -58,9 +58,9 @@ def to_oai_layout(weights: MoEWeights) -> OaiMxfp4Weights:
     def bias(b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if b is None else b.float().contiguous()
 
-    w13, w2 = weights.checkpoint_packed("w13"), weights.checkpoint_packed("w2")
-    return OaiMxfp4Weights(w13=_k_major(w13), w13_scale=_k_major_scale(weights.w13_scale),
-                           w2=_k_major(w2), w2_scale=_k_major_scale(weights.w2_scale),
+    w13, w2, s13, s2 = (weights.in_checkpoint_order(n) for n in ("w13", "w2", "w13_scale", "w2_scale"))
+    return OaiMxfp4Weights(w13=_k_major(w13), w13_scale=_k_major_scale(s13),
+                           w2=_k_major(w2), w2_scale=_k_major_scale(s2),
                            w13_bias=bias(weights.w13_bias), w2_bias=bias(weights.w2_bias),
                            w13_groups=weights.w13_scale.shape[-1], w2_groups=weights.w2_scale.shape[-1])
 

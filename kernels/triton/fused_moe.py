@@ -262,11 +262,11 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn
     packed = tl.load(w_e + slab_rows.to(tl.int64)[:, None] * stride_wn + (k0 // MX_GROUP) * RUN + t[None, :],
                      mask=slab_ok[:, None] & group_ok[None, :], other=0)
     packed = tl.reshape(packed, (S, NB, 8, 4, U, 2, 2, 2))                    # slab, group, g, c, u, j, h, p
-    g = k0 // MX_GROUP + tl.arange(0, NB)
-    rows = slab_rows.to(tl.int64)[:, None] + tl.arange(0, 16 * U)[None, :]    # [S, (h, g, u)]
-    s = tl.load(w_scale_e + rows[:, :, None] * stride_wsn + g[None, None, :],
-                mask=slab_ok[:, None, None] & (g < K // MX_GROUP)[None, None, :], other=0)
-    s = tl.permute(tl.reshape(s, (S, 2, 8, U, NB)), (0, 4, 2, 3, 1))          # slab, group, g, u, h
+    ts = tl.arange(0, NB * 16 * U)                                            # the slab's scales, group-major
+    scale_ok = k0 // MX_GROUP + ts // (16 * U) < K // MX_GROUP
+    s = tl.load(w_scale_e + slab_rows.to(tl.int64)[:, None] * stride_wsn + (k0 // MX_GROUP) * 16 * U + ts[None, :],
+                mask=slab_ok[:, None] & scale_ok[None, :], other=0)
+    s = tl.permute(tl.reshape(s, (S, NB, 2, 8, U)), (0, 1, 3, 4, 2))          # slab, group, g, u, h
     s = tl.reshape(s, (S, NB, 8, 1, U, 1, 2, 1))
     if dtype == tl.bfloat16:
         low, high = _e2m1_unpack_bf16(packed, s, FOLDED)

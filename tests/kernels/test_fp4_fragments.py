@@ -46,6 +46,18 @@ def test_every_value_sits_where_the_layout_doc_says(pairs):
             assert (stored >> 4 if q else stored & 0xF) == _nibble(packed, n, k), (n, k)
 
 
+@pytest.mark.parametrize("pairs", [False, True])
+def test_scales_are_group_major_within_each_slab(pairs):
+    scales = torch.randint(0, 256, (2, 64, 5), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    frag = fp4_fragments.scales_to_fragment_order(scales, pairs=pairs)
+    assert torch.equal(fp4_fragments.scales_to_checkpoint_order(frag, pairs=pairs), scales)
+    r = 32 if pairs else 16
+    for n in range(64):
+        for group in range(5):
+            s, row = divmod(n, r)
+            assert frag[1, s * r:(s + 1) * r].reshape(-1)[group * r + row] == scales[1, n, group], (n, group)
+
+
 @pytest.mark.parametrize("rows,k,pairs,message", [
     (24, 64, False, "fragment order needs whole 16-row slabs and K % 32 == 0, got [24, 64]"),
     (48, 64, True, "fragment order (paired) needs whole 32-row slabs and K % 32 == 0, got [48, 64]"),
@@ -71,8 +83,8 @@ def test_the_triton_build_rewrites_and_reads_back_the_checkpoint(activation, ord
     reference = make_layer("torch.reference", MXFP4, activation=activation, dtype=Dtype.fp16, E=4, H=128, I=I,
                            device=DEVICE, bias=True).weights
     assert reference.fp4_fragment_order is None
-    assert torch.equal(w.checkpoint_packed("w13"), reference.w13)
-    assert torch.equal(w.checkpoint_packed("w2"), reference.w2)
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert torch.equal(w.in_checkpoint_order(name), getattr(reference, name)), name
     assert not torch.equal(w.w13, reference.w13) and not torch.equal(w.w2, reference.w2)
     x, ids, topw = random_inputs(layer, 37, 2, device=DEVICE)
     assert rel_err(layer(x, topk_ids=ids, topk_weights=topw), reference64(layer, x, ids, topw)) < TOL

@@ -344,19 +344,14 @@ class Bench:
     # activations for wgmma, fences and waits twice (bench/sass_count.py). Seeded all the same: the space holds the
     # peer's tile, at a few seconds per point.
     TK_MXFP4_TILES = ({"weight_rows": 256, "num_warps": 8}, {"weight_rows": 128, "num_warps": 4})
-    # Where the mean rows per expert reach it, a 256-row block (8 warps) decodes each MXFP4 weight half as often as
-    # the largest tile triton_kernels or vLLM use (128): sm_90 counts 6.0 SASS per weight per 256 rows against 4.61
-    # per 128 at gpt-oss-20b M=4096 (bench/sass_count.py), with no spills (the 128-row tile spills 24-40 B).
-    WIDE_BLOCK_M = 256
     CONFIRM_ROUNDS = 3  # the winner against the config in use, timed alternately (`tune`)
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
-        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2} (256 rows on 8
-        warps where the mean rows per expert reach 256), GEMV tiles (at most one row per expert) and, for MXFP4,
-        triton_kernels' tiles (each seed's time is logged); then one coordinate sweep per GEMM over BLOCK_N,
-        BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB, keeping each field's best before the next
-        (--fields: only those, from the config in use; --seeds-only: none). A config
+        """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
+        one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
+        sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB, keeping each
+        field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
         replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
         faster when the two are timed again, alternating which goes first, CONFIRM_ROUNDS times
         (`fastest_alternating`): single timings drift at large M."""
@@ -426,8 +421,6 @@ class Bench:
                                    "heuristic")]
         named += [(MoEConfig(bm, cur.gemm1, cur.gemm2), f"BLOCK_M {bm}") for bm in (cur.BLOCK_M // 2, cur.BLOCK_M * 2)
                   if 16 <= bm <= 128]
-        if M * model.k >= self.WIDE_BLOCK_M * model.E and cur.BLOCK_M * 2 == self.WIDE_BLOCK_M:
-            named.append((self.wide_rows(cur, scheme), f"BLOCK_M {self.WIDE_BLOCK_M}, 8 warps"))
         if M * model.k <= model.E:
             named += [(self.gemv_config(bn, bk, scheme), f"GEMV N{bn} K{bk}") for bn, bk in self.GEMV_SEEDS]
         if scheme.is_mx and scheme.k_pack > 1:
@@ -442,15 +435,6 @@ class Bench:
             named.append((peer, "vLLM's"))
         valid = self.valid([c for c, _ in named], scheme)
         return {c: name for c, name in reversed(named) if c in valid}  # reversed: the first name wins
-
-    def wide_rows(self, cur: MoEConfig, scheme: Scheme) -> MoEConfig:
-        """cur at WIDE_BLOCK_M rows on 8 warps (the accumulator per thread kept), each GEMM on the most stages of
-        its own (at least 2) that fit beside the wider activation tile."""
-        def on_8_warps(g: GemmConfig, weight_tiles: int) -> GemmConfig:
-            stages = next((s for s in range(g.num_stages, 2, -1)
-                           if self.smem_fits(self.WIDE_BLOCK_M, replace(g, num_stages=s), weight_tiles, scheme)), 2)
-            return replace(g, num_warps=8, num_stages=stages)
-        return MoEConfig(BLOCK_M=self.WIDE_BLOCK_M, gemm1=on_8_warps(cur.gemm1, 2), gemm2=on_8_warps(cur.gemm2, 1))
 
     def tk_mxfp4_config(self, rows_per_expert: float, *, gated: bool, weight_rows: int, num_warps: int) -> MoEConfig:
         """triton_kernels' Hopper MXFP4 tile (TK_MXFP4_TILES) at its BLOCK_M for these rows per expert (opt_flags.py:
@@ -506,22 +490,18 @@ class Bench:
 
     def valid(self, cfgs, scheme: Scheme) -> list:
         """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory."""
+        wbytes, abytes = _operand_bytes(scheme)
         ok = []
         for c in cfgs:
             try:
                 check_config(c, scheme)
             except ValueError:
                 continue
-            # GEMM1 stages the gate and the up tile
-            fits = self.smem_fits(c.BLOCK_M, c.gemm1, 2, scheme) and self.smem_fits(c.BLOCK_M, c.gemm2, 1, scheme)
+            fits = all(g.num_stages * g.BLOCK_K * (c.BLOCK_M * abytes + n_b * g.BLOCK_N * wbytes) <= self.SMEM_BYTES
+                       for g, n_b in ((c.gemm1, 2), (c.gemm2, 1)))  # GEMM1 stages the gate and the up tile
             if fits and c not in ok:
                 ok.append(c)
         return ok[:1] if self.smoke else ok
-
-    def smem_fits(self, block_m: int, g: GemmConfig, weight_tiles: int, scheme: Scheme) -> bool:
-        """Whether g's pipelined activation and weight tiles (weight_tiles of them per stage) fit in shared memory."""
-        wbytes, abytes = _operand_bytes(scheme)
-        return g.num_stages * g.BLOCK_K * (block_m * abytes + weight_tiles * g.BLOCK_N * wbytes) <= self.SMEM_BYTES
 
     def existing_table(self, model: Model, scheme: Scheme) -> dict:
         key = config_file_name(num_experts=model.E, intermediate=model.I, device_name=self.device_name(),

@@ -11,7 +11,7 @@ from kernel_helpers import bench_module
 
 from moerules.activation import Dtype
 from moerules.kernels.scheme import Scheme
-from moerules.kernels.triton.config import GemmConfig, MoEConfig
+from moerules.kernels.triton.config import GemmConfig
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
 
@@ -74,23 +74,3 @@ def test_mxfp4_seeds_add_the_peer_tiles(tuner, monkeypatch, M, tk_block_m, in_us
                                                                                        warps)
         assert tk in seeds and dataclasses.replace(tk, BLOCK_M=in_use_block_m) in seeds
     assert seeds[dataclasses.replace(tk, BLOCK_M=in_use_block_m)] == "in use"
-
-
-@pytest.mark.parametrize("M, seeded", [(2048, True), (4096, True), (1024, False)])
-def test_a_256_row_block_on_8_warps_is_seeded_where_experts_hold_256_rows(tuner, monkeypatch, M, seeded):
-    """gpt-oss-20b (E=32, top-4) MXFP4 on the defaults (device cpu): 256 and 512 mean rows per expert run 128-row
-    blocks; the seed doubles them on 8 warps, each GEMM on the most stages that fit (the default's 3 at 128-deep K
-    do not beside 256 rows). 128 rows per expert get no such seed."""
-    bench = bench_module(monkeypatch, "moe")
-    model = bench.EXTRA_MODELS["gpt-oss-20b"]
-    tuner.smoke, tuner.peers, tuner.device = False, None, torch.device("cpu")
-    w = types.SimpleNamespace(scheme=MXFP4, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
-    seeds = tuner.seeds(M, model, w, "mxfp4", only_in_use=False)
-    wide = [c for c, name in seeds.items() if name == "BLOCK_M 256, 8 warps"]
-    if not seeded:
-        assert wide == []
-        return
-    (cfg,) = wide
-    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=2, SWAP_AB=True)
-    assert cfg == MoEConfig(BLOCK_M=256, gemm1=GemmConfig(BLOCK_N=64, **tile), gemm2=GemmConfig(BLOCK_N=128, **tile))
-    assert tuner.valid([cfg], MXFP4) == [cfg]

@@ -2,7 +2,7 @@
 
     python bench/fp4_gemv_probe.py --out DIR
 
-`launch._fragment_tiles` runs GEMV rows on 4 warps with K steps >= 128 because other GEMV tiles were wrong on the
+`launch.fragment_tiles` runs GEMV rows on 4 warps with K steps >= 128 because other GEMV tiles were wrong on the
 H200 (first seen at BLOCK_K 64: rel. err 0.85) and right under the interpreter. This lifts that guard (each
 tile's own warps and K step) and runs each GEMV tile
 (BLOCK_K x GEMM1 BLOCK_N x warps x dtype; swapped, as every MXFP4 tile now runs: s28 d.'s table also has

@@ -54,7 +54,7 @@ from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
 from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
                                            config_file_name, default_config, dtype_key)
-from moerules.kernels.triton.launch import config_for, fused_moe
+from moerules.kernels.triton.launch import config_for, fragment_tiles, fused_moe
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
@@ -433,6 +433,7 @@ class Bench:
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
         if peer:
             named.append((peer, "vLLM's"))
+        named = [(fragment_tiles(c, scheme), name) for c, name in named]
         valid = self.valid([c for c, _ in named], scheme)
         return {c: name for c, name in reversed(named) if c in valid}  # reversed: the first name wins
 
@@ -489,10 +490,11 @@ class Bench:
         return [not cur]  # SWAP_AB
 
     def valid(self, cfgs, scheme: Scheme) -> list:
-        """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory."""
+        """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory, each as the GEMMs
+        run it (`fragment_tiles`): what is timed is what is recorded, and two configs that run alike are one."""
         wbytes, abytes = _operand_bytes(scheme)
         ok = []
-        for c in cfgs:
+        for c in (fragment_tiles(c, scheme) for c in cfgs):
             try:
                 check_config(c, scheme)
             except ValueError:

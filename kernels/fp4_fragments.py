@@ -28,7 +28,7 @@ Measured on the H200 (bench/results/s28 e.), with triton_kernels' 4-warp tile sh
 128-deep K steps) the MXFP4 default: the whole forward 1.11-1.32x faster at M >= 16 than checkpoint order with
 its own best tiles in session 27 (another call), 0.90x at M=1 (GEMV rows); triton_kernels / ours 0.853 -> 1.006
 geomean. As the MMA's B operand (weights on the N side) the layout ran 2-3x slower, so every MXFP4 tile runs
-swapped (`launch._fragment_tiles`).
+swapped (`launch.fragment_tiles`).
 
 Scales (e8m0 [.., N, K/32]) follow their slabs: per slab, group-major (the slab's 16 or 32 row bytes of group 0,
 then of group 1, ...), same shape, so one K step of a tile reads one contiguous run per slab, which Triton

@@ -33,7 +33,7 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
   - MXFP4: the packed tile, in fragment order, is unpacked and scaled (exactly: the scales are powers of two)
     into the activation dtype straight into the registers of one MMA per K step whose A operand it is: the
     weights on wgmma's (or mma.sync's) M side, the tokens on its N side (`_fp4_fragment_tile`; the host swaps
-    every MXFP4 tile, `launch._fragment_tiles`). At 0.53 bytes per weight the decode instructions could bound
+    every MXFP4 tile, `launch.fragment_tiles`). At 0.53 bytes per weight the decode instructions could bound
     this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4 instructions per weight for the whole
     GPU), so bf16 decodes four bytes at a time in PTX on packed registers (_E2M1X4_TO_BF16); fp16 and the
     interpreter use Triton code. On sm_90 the K loop of triton_kernels' tile shape issues 3.9-4.0 instructions
@@ -280,8 +280,8 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn
 def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
              PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc^T += w[slab rows, k0:k0+BLOCK_K] . a[:, same k]^T for MXFP4 weights in fragment order: one MMA per K
-    step, the decoded weights its A operand (the host swaps every such tile: `launch._fragment_tiles`)."""
-    tl.static_assert(SWAP_AB, "MXFP4 tiles run swapped (launch._fragment_tiles)")
+    step, the decoded weights its A operand (the host swaps every such tile: `launch.fragment_tiles`)."""
+    tl.static_assert(SWAP_AB, "MXFP4 tiles run swapped (launch.fragment_tiles)")
     w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, a.dtype, W_FP4 == 2,
                            PAIRED, BLOCK_N, BLOCK_K)
     return _dot(a, w, acc, SWAP_AB)

@@ -21,6 +21,7 @@ from .. import fp4_fragments
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
 from ..weights import MoEWeights
+from ..scheme import Scheme
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name
@@ -37,7 +38,7 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 # K step of the LoRA shrink: its N is the rank, so the K loop is all its work and its latency at small M
 # (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
 _SHRINK_BLOCK_K = 128
-_GEMV_FRAGMENT_K, _GEMV_FRAGMENT_WARPS = 128, 4  # `_fragment_tiles`
+_GEMV_FRAGMENT_K, _GEMV_FRAGMENT_WARPS = 128, 4  # `fragment_tiles`
 
 
 def _scheme_flags(weights: MoEWeights) -> dict:
@@ -57,8 +58,9 @@ def _fp4_code(weights: MoEWeights) -> int:
     return 1 + weights.fp4_scales_fold
 
 
-def _fragment_tiles(cfg: MoEConfig, weights: MoEWeights) -> MoEConfig:
-    """cfg as the GEMMs run it on MXFP4 weights, which are in fragment order (other weights run cfg as it is):
+def fragment_tiles(cfg: MoEConfig, scheme: Scheme) -> MoEConfig:
+    """cfg as the GEMMs run it on MXFP4 weights, which are in fragment order (other schemes run cfg as it is; the
+    tuner records what runs):
 
     - swapped (SWAP_AB): the layout is the A operand's; as the B operand the tiles tuned for checkpoint order ran
       2-3x slower on it (H200, bench/results/s28 b.);
@@ -67,7 +69,7 @@ def _fragment_tiles(cfg: MoEConfig, weights: MoEWeights) -> MoEConfig:
       H200 (4 warps at BLOCK_K 32/64 with GEMM1 BLOCK_N 16, bf16 on 1 warp at 128; right under the interpreter,
       cause not isolated: bench/fp4_gemv_probe.py, bench/results/s28 d.).
     """
-    if weights.scheme.k_pack != 2:
+    if scheme.k_pack != 2:
         return cfg
     gemv = cfg.BLOCK_M == 1
 
@@ -187,7 +189,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     dummy = weights.w13
     bias = weights.w13_bias if weights.has_bias else dummy
     s_e, s_n = _scale_strides(weights.w13_scale)
-    cfg = _fragment_tiles(cfg, weights)
+    cfg = fragment_tiles(cfg, weights.scheme)
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
@@ -214,7 +216,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     dummy = weights.w13
     bias = weights.w2_bias if weights.has_bias else dummy
     s_e, s_n = _scale_strides(weights.w2_scale)
-    cfg = _fragment_tiles(cfg, weights)
+    cfg = fragment_tiles(cfg, weights.scheme)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](

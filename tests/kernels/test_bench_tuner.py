@@ -11,7 +11,7 @@ from kernel_helpers import bench_module
 
 from moerules.activation import Dtype
 from moerules.kernels.scheme import Scheme
-from moerules.kernels.triton.config import GemmConfig
+from moerules.kernels.triton.config import GemmConfig, MoEConfig
 from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
 
@@ -74,3 +74,15 @@ def test_mxfp4_seeds_add_the_peer_tiles(tuner, monkeypatch, M, tk_block_m, in_us
                                                                                        warps)
         assert tk in seeds and dataclasses.replace(tk, BLOCK_M=in_use_block_m) in seeds
     assert seeds[dataclasses.replace(tk, BLOCK_M=in_use_block_m)] == "in use"
+
+
+def test_mxfp4_configs_are_timed_and_recorded_as_the_gemms_run_them(tuner):
+    """An unswapped GEMV tile at GEMM1 BLOCK_N 8, K 64 on 1 warp runs as fragment_tiles makes it (swapped, a whole
+    16-row slab, K 128, 4 warps): the tuner keeps that form, so it times it once and records what runs."""
+    tuner.smoke = False
+    as_given = GemmConfig(BLOCK_N=8, BLOCK_K=64, GROUP_M=1, num_warps=1, num_stages=2, SWAP_AB=False)
+    runs_as = GemmConfig(BLOCK_N=16, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=True)
+    cfgs = [MoEConfig(1, as_given, as_given), MoEConfig(1, runs_as, runs_as)]
+    assert tuner.valid(cfgs, MXFP4) == [MoEConfig(1, runs_as, runs_as)]
+    bf16 = Scheme.from_quant(QuantConfig(family=F.unquantized))
+    assert tuner.valid(cfgs, bf16) == cfgs

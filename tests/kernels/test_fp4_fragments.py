@@ -127,7 +127,7 @@ TILES = [  # (BLOCK_M, BLOCK_N gemm1, BLOCK_N gemm2, BLOCK_K, SWAP_AB): GEMV row
 @pytest.mark.parametrize("block_m,bn1,bn2,block_k,swap", TILES)
 def test_fragment_order_at_every_tile_kind(activation, block_m, bn1, bn2, block_k, swap, poison_empty, monkeypatch):
     """H=160 and I=96: K is five and three MX groups (partial last K steps at BLOCK_K 64-256), columns past N in the
-    last tiles. As `launch._fragment_tiles` runs them: swapped, GEMM1's BLOCK_N 8 widened to a whole slab, GEMV
+    last tiles. As `launch.fragment_tiles` runs them: swapped, GEMM1's BLOCK_N 8 widened to a whole slab, GEMV
     rows on 4 warps and K steps >= 128."""
     def tile(n):
         return GemmConfig(BLOCK_N=n, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap)
@@ -142,7 +142,7 @@ def test_fragment_order_at_every_tile_kind(activation, block_m, bn1, bn2, block_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the wrong GEMV tiles were wrong on the H200 only")
 @pytest.mark.parametrize("dtype", [Dtype.fp16, Dtype.bf16])
 def test_every_gemv_tile_runs_as_a_right_one(dtype, poison_empty, monkeypatch):
-    """bench/fp4_gemv_probe.py's grid (BLOCK_K x GEMM1 BLOCK_N x warps x SWAP_AB): without `_fragment_tiles`' GEMV
+    """bench/fp4_gemv_probe.py's grid (BLOCK_K x GEMM1 BLOCK_N x warps x SWAP_AB): without `fragment_tiles`' GEMV
     floor, 4 warps at BLOCK_K 32/64 with BLOCK_N 16 (both dtypes) and bf16 on 1 warp at 128 were wrong on the H200
     (rel. err 1.1-12.6); through it, every one is right."""
     forced = {}

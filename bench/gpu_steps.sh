@@ -12,9 +12,11 @@
 #             into several calls
 #   tests_mx  the MX kernel tests alone, with the MX cells' tile variants and decision-walk layers (the bf16 MXFP4
 #             decode's PTX runs only here)
-#   compare_mx  MXFP4 forward of the code in carry/base (`git archive BASE moerules kernels engine rules
-#             pyproject.toml | tar -x -C carry/base`) and of this tree, in one session, this tree's rows with their
-#             ratio to the base's (COMPARE_MS, default 16 256 4096; both gpt-oss)
+#   compare   the whole forward of the code in carry/base (`git archive BASE moerules kernels engine rules bench
+#             pyproject.toml | tar -x -C carry/base`, timed by its own bench/moe.py, which may import names this
+#             tree has renamed) and of this tree, in one session, this tree's rows with their ratio to the base's:
+#             COMPARE_MODELS (default both gpt-oss), COMPARE_SCHEMES (default mxfp4), COMPARE_MS (default 16 256
+#             4096), COMPARE_NAME (default compare) names the output, COMPARE_SECONDS (default 100) caps each side
 #   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
 #             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
 #   profile_mx  ncu (hardware counters, clocks left alone) of triton_kernels' and our MXFP4 GEMMs, once each, on
@@ -86,12 +88,16 @@ tests_mx() {
     tests/kernels/test_fp4_fragments.py tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1 or fragment" -q -n 8 --tb=line \
     -p no:benchmark -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest.log"
 }
-compare_mx() {
-  local args="--phase bench --models gpt-oss-120b gpt-oss-20b --schemes mxfp4 --ms ${COMPARE_MS:-16 256 4096}"
+compare() {
+  local args="--phase bench --models ${COMPARE_MODELS:-gpt-oss-120b gpt-oss-20b} --schemes ${COMPARE_SCHEMES:-mxfp4}"
+  local dir=$out/${COMPARE_NAME:-compare} secs=${COMPARE_SECONDS:-100}
+  args="$args --ms ${COMPARE_MS:-16 256 4096}"
+  mkdir -p "$dir"
   # shellcheck disable=SC2086
-  PYTHONPATH=/tmp/site:$PWD/carry/base timeout 100 python3 bench/moe.py $args --out "$out/base" > "$out/base.log" 2>&1
+  PYTHONPATH=/tmp/site:$PWD/carry/base timeout "$secs" python3 carry/base/bench/moe.py $args --out "$dir/base" \
+    > "$dir/base.log" 2>&1
   # shellcheck disable=SC2086
-  timeout 100 python3 bench/moe.py $args --baseline "$out/base/results.json" --out "$out/new" > "$out/new.log" 2>&1
+  timeout "$secs" python3 bench/moe.py $args --baseline "$dir/base/results.json" --out "$dir/new" > "$dir/new.log" 2>&1
 }
 gemv_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/fp4_gemv_probe.py --out "$out" > "$out/gemv_probe.log" 2>&1
@@ -101,7 +107,7 @@ tests_tiles() {  # the tile-variant tests alone (every cell with swapped and one
     -k "variants or one_row or edge" -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 }
 tests() {
-  timeout 110 python3 -m pytest tests/kernels -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
+  timeout "${TESTS_SECONDS:-110}" python3 -m pytest tests/kernels -q -n 8 -p no:benchmark -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 }
 bench() {
   timeout 70 python3 bench/moe.py --phase bench --models qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16 256 \
@@ -109,7 +115,7 @@ bench() {
 }
 for step in "$@"; do "$step"; done
 
-rm -f "$out"/*/bench.csv
+find "$out" -name bench.csv -delete
 # A device run returns at most 8 files: the tuning (log, results, installed configs) travels as one archive.
 if [ -d "$out/tune" ]; then
   cp -r kernels/configs "$out/tune/configs" && tar -czf "$out/tune.tgz" -C "$out" tune tune.log && rm -rf "$out/tune" "$out/tune.log"

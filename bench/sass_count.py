@@ -2,7 +2,7 @@
 
     python bench/sass_count.py --models gpt-oss-120b --schemes mxfp4 --ms 16 256 4096 [--device-name "NVIDIA H200"]
     python bench/sass_count.py ... --config '{"BLOCK_M": 16, "gemm1": {...}, "gemm2": {...}}'   # a config to try
-    PYTHONPATH=carry/base python bench/sass_count.py ...   # an older tree (`git archive`, as gpu_steps compare_mx)
+    PYTHONPATH=carry/base python bench/sass_count.py ...   # an older tree (`git archive`, as gpu_steps compare)
     python bench/sass_count.py ... --triton-kernels carry/triton_kernels   # also triton_kernels' MXFP4 GEMMs
 
 Each point runs the real launcher (`triton.launch.fused_moe`, on empty tensors of the model's shapes, with the

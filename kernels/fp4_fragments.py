@@ -33,6 +33,9 @@ swapped (`launch.fragment_tiles`).
 Scales (e8m0 [.., N, K/32]) follow their slabs: per slab, group-major (the slab's 16 or 32 row bytes of group 0,
 then of group 1, ...), same shape, so one K step of a tile reads one contiguous run per slab, which Triton
 pipelines with the values (row-major, each step's scales were 4 synchronous byte loads per K step on sm_90).
+Measured against row-major scales (H200, bench/results/s29): on the old tiles 1.12-1.21x faster at M=2048/4096
+(gpt-oss-20b M=4096 level), level at M=16-256, 0.91x at M=1; retuned, triton_kernels / ours 1.006 -> 1.119
+geomean, M=1 0.97-0.98x of row-major.
 
 The layout needs whole slabs and MX groups (`fits`). A kernel tile of it reads whole slabs
 (`fused_moe._fp4_fragment_tile`).

@@ -35,7 +35,7 @@ from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
 from .config import MoEConfig, batched_config, check_batched_config
 from .fused_moe import (SCALE_BLOCK, _acc_rows_first, _acc_zeros, _epilogue_scale, _gated_activation, _k_step,
-                        _tile_coords)
+                        _real_rows, _tile_coords)
 from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
 from .quant import _finite_abs
 
@@ -59,16 +59,17 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
     """
     acc1 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
     acc2 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
+    w1, w2 = _real_rows(n1, col_ok), _real_rows(n2, col_ok)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n1, col_ok, n1, col_ok,
+        acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w1, col_ok, w1,
                        stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False, BLOCK_N, BLOCK_K,
                        SWAP_AB)
         if TWO:
-            acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, n2, col_ok, n2,
-                           col_ok, stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False,
+            acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w2, col_ok, w2,
+                           stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False,
                            BLOCK_N, BLOCK_K, SWAP_AB)
     acc1 = _epilogue_scale(_acc_rows_first(acc1, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok,
                            stride_wsn, A_SCALE, W_SCALE)

@@ -58,6 +58,7 @@ from .. import mx, scheme
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
 # The scale layouts of quantize.py, as the constexprs jit code needs.
 SCALE_BLOCK = tl.constexpr(scheme.QUANT_BLOCK)
+FILLED_BLOCK_M = tl.constexpr(64)  # `_token_rows`
 MX_GROUP = tl.constexpr(mx.MX_GROUP)
 
 
@@ -79,6 +80,27 @@ def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
     """Slot index of each row of the block, and which rows are real (not padding)."""
     slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     return slot, slot < num_slots
+
+
+@triton.jit
+def _real_rows(rows, row_ok):
+    """Weight rows a K loop reads: rows past N read row 0 instead (their products are never stored), so each
+    thread's copies share one K mask per step rather than one mask per row (sm_90: up to 3 instructions fewer per
+    16-byte copy; N is mostly a multiple of BLOCK_N, so row 0 is seldom read twice)."""
+    return tl.where(row_ok, rows, 0)
+
+
+@triton.jit
+def _token_rows(rows, row_ok, BLOCK_M: tl.constexpr):
+    """(rows to read, their mask) of a block's activation tile. From FILLED_BLOCK_M rows, padding rows read the
+    block's first real row (the block's own, already on its way: row 0 for every block made one hot line, and the
+    GEMMs ran up to 1.56x slower at DeepSeek-V3 M=4096 on the H200, bench/results/s29 f.), so the copies share one
+    K mask per step (sm_90: the K loop of gpt-oss MXFP4 GEMM1 at 128x64x128 590 -> 533 instructions, bf16 GEMM1 at
+    128x128x64 109 -> 93; bench/sass_count.py). Smaller blocks keep the row mask: mostly padding at decode, their
+    padding rows would add L2 reads to memory-bound tiles."""
+    if BLOCK_M >= FILLED_BLOCK_M:
+        return tl.where(row_ok, rows, tl.min(rows, axis=0)), tl.full(row_ok.shape, True, tl.int1)
+    return rows, row_ok
 
 
 @triton.jit
@@ -244,12 +266,13 @@ def _e2m1_unpack(packed, s, dtype: tl.constexpr):
 
 
 @triton.jit
-def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, dtype: tl.constexpr,
+def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, dtype: tl.constexpr,
                        FOLDED: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [ROWS, BLOCK_K] weight tile at k0 of fragment-order MXFP4 weights (fp4_fragments.py), decoded to dtype.
 
     slab_rows: the first row of each slab the tile reads, in tile order (16 rows; PAIRED, the paired layout of
-    interleaved gate/up rows: 32, and the tile is the slabs' gate rows, then their up rows). Each lane loads its
+    interleaved gate/up rows: 32, and the tile is the slabs' gate rows, then their up rows), each a real slab
+    (`_real_rows`). Each lane loads its
     words contiguously and the reshapes below only rename registers: on sm_90 the decoded values are the MMA's
     register operand as they leave the decode (bench/sass_count.py).
     """
@@ -260,12 +283,12 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn
     t = tl.arange(0, NB * RUN)
     group_ok = k0 // MX_GROUP + t // RUN < K // MX_GROUP
     packed = tl.load(w_e + slab_rows.to(tl.int64)[:, None] * stride_wn + (k0 // MX_GROUP) * RUN + t[None, :],
-                     mask=slab_ok[:, None] & group_ok[None, :], other=0)
+                     mask=group_ok[None, :], other=0)
     packed = tl.reshape(packed, (S, NB, 8, 4, U, 2, 2, 2))                    # slab, group, g, c, u, j, h, p
     ts = tl.arange(0, NB * 16 * U)                                            # the slab's scales, group-major
     scale_ok = k0 // MX_GROUP + ts // (16 * U) < K // MX_GROUP
     s = tl.load(w_scale_e + slab_rows.to(tl.int64)[:, None] * stride_wsn + (k0 // MX_GROUP) * 16 * U + ts[None, :],
-                mask=slab_ok[:, None] & scale_ok[None, :], other=0)
+                mask=scale_ok[None, :], other=0)
     s = tl.permute(tl.reshape(s, (S, NB, 2, 8, U)), (0, 1, 3, 4, 2))          # slab, group, g, u, h
     s = tl.reshape(s, (S, NB, 8, 1, U, 1, 2, 1))
     if dtype == tl.bfloat16:
@@ -277,31 +300,34 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn
 
 
 @triton.jit
-def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
+def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
              PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc^T += w[slab rows, k0:k0+BLOCK_K] . a[:, same k]^T for MXFP4 weights in fragment order: one MMA per K
     step, the decoded weights its A operand (the host swaps every such tile: `launch.fragment_tiles`)."""
     tl.static_assert(SWAP_AB, "MXFP4 tiles run swapped (launch.fragment_tiles)")
-    w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, a.dtype, W_FP4 == 2,
+    w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, a.dtype, W_FP4 == 2,
                            PAIRED, BLOCK_N, BLOCK_K)
     return _dot(a, w, acc, SWAP_AB)
 
 
 @triton.jit
-def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows, slab_ok,
+def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows,
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
             UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes."""
+    """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes.
+
+    w_rows and slab_rows are real rows (`_real_rows`), so the weight loads mask K alone; col_ok masks the block
+    scales of the columns past N."""
     if W_FP4:
-        acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, slab_ok, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
+        acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
                        BLOCK_N, BLOCK_K, SWAP_AB)
     else:
         w_off = w_rows.to(tl.int64) * stride_wn
         if SWAP_AB:
-            b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
         else:
-            b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None], other=0.0)
         sa, sw = 1.0, 1.0  # unused unless block/group-scaled
         if W_SCALE >= 3:
             sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn,
@@ -445,22 +471,24 @@ def gemm1_gated_kernel(
     w_cols = pid_n * BLOCK_N + j % BLOCK_N
     w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
     w_ok = w_cols < N
-    slab_rows, slab_ok = w_rows, w_ok  # MXFP4 reads whole slabs of fragment order (16 rows; PAIRED 32)
+    w_rows = _real_rows(w_rows, w_ok)
+    slab_rows = w_rows  # MXFP4 reads whole slabs of fragment order (16 rows; PAIRED 32)
     if W_FP4 and PAIRED:
         slab_rows = 2 * pid_n * BLOCK_N + 32 * tl.arange(0, W_COLS // 32)
-        slab_ok = slab_rows < 2 * N
+        slab_rows = _real_rows(slab_rows, slab_rows < 2 * N)
     elif W_FP4:
         slab = 16 * tl.arange(0, W_COLS // 16)
         slab_rows = (pid_n * BLOCK_N + slab % BLOCK_N) * gate_row_step + (slab // BLOCK_N) * up_row_offset
-        slab_ok = pid_n * BLOCK_N + slab % BLOCK_N < N
+        slab_rows = _real_rows(slab_rows, pid_n * BLOCK_N + slab % BLOCK_N < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+    a_src, a_ok = _token_rows(a_rows, row_ok, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows, slab_ok,
+        a = tl.load(a_ptr + a_src[:, None] * stride_am + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
                       BLOCK_K, SWAP_AB)
     acc = _acc_rows_first(acc, SWAP_AB)
@@ -503,18 +531,20 @@ def gemm2_weighted_kernel(
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    slab_rows, slab_ok = cols, col_ok
+    w_rows = _real_rows(cols, col_ok)
+    slab_rows = w_rows
     if W_FP4:
         slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
-        slab_ok = slab_rows < N
+        slab_rows = _real_rows(slab_rows, slab_rows < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+    a_src, a_ok = _token_rows(slot, row_ok, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, cols, col_ok, slab_rows, slab_ok,
+        a = tl.load(a_ptr + a_src[:, None] * stride_am + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                       BLOCK_K, SWAP_AB)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,

@@ -58,7 +58,6 @@ from .. import mx, scheme
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
 # The scale layouts of quantize.py, as the constexprs jit code needs.
 SCALE_BLOCK = tl.constexpr(scheme.QUANT_BLOCK)
-FILLED_BLOCK_M = tl.constexpr(64)  # `_token_rows`
 MX_GROUP = tl.constexpr(mx.MX_GROUP)
 
 
@@ -86,21 +85,15 @@ def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
 def _real_rows(rows, row_ok):
     """Weight rows a K loop reads: rows past N read row 0 instead (their products are never stored), so each
     thread's copies share one K mask per step rather than one mask per row (sm_90: up to 3 instructions fewer per
-    16-byte copy; N is mostly a multiple of BLOCK_N, so row 0 is seldom read twice)."""
+    16-byte copy; N is mostly a multiple of BLOCK_N, so row 0 is seldom read twice).
+
+    Not for the token rows: padding rows that read a real row (row 0, or the block's first) instead of being
+    masked made the GEMMs up to 1.5x slower on the H200 (DeepSeek-V3 M=1024, half of each 64-row block padding:
+    the zero-filled copies move no data; bench/results/s29 f., g.), though the K loops issued 10-27% fewer
+    instructions."""
     return tl.where(row_ok, rows, 0)
 
 
-@triton.jit
-def _token_rows(rows, row_ok, BLOCK_M: tl.constexpr):
-    """(rows to read, their mask) of a block's activation tile. From FILLED_BLOCK_M rows, padding rows read the
-    block's first real row (the block's own, already on its way: row 0 for every block made one hot line, and the
-    GEMMs ran up to 1.56x slower at DeepSeek-V3 M=4096 on the H200, bench/results/s29 f.), so the copies share one
-    K mask per step (sm_90: the K loop of gpt-oss MXFP4 GEMM1 at 128x64x128 590 -> 533 instructions, bf16 GEMM1 at
-    128x128x64 109 -> 93; bench/sass_count.py). Smaller blocks keep the row mask: mostly padding at decode, their
-    padding rows would add L2 reads to memory-bound tiles."""
-    if BLOCK_M >= FILLED_BLOCK_M:
-        return tl.where(row_ok, rows, tl.min(rows, axis=0)), tl.full(row_ok.shape, True, tl.int1)
-    return rows, row_ok
 
 
 @triton.jit
@@ -483,11 +476,10 @@ def gemm1_gated_kernel(
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    a_src, a_ok = _token_rows(a_rows, row_ok, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(a_ptr + a_src[:, None] * stride_am + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
                       BLOCK_K, SWAP_AB)
@@ -539,11 +531,10 @@ def gemm2_weighted_kernel(
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    a_src, a_ok = _token_rows(slot, row_ok, BLOCK_M)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(a_ptr + a_src[:, None] * stride_am + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                       BLOCK_K, SWAP_AB)

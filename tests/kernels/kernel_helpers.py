@@ -75,8 +75,8 @@ TILE_VARIANTS = {
     "swapped": lambda cfg: _both_gemms(cfg, SWAP_AB=True),
     "one_row": lambda cfg: dataclasses.replace(cfg, BLOCK_M=1),
     "one_row_swapped": lambda cfg: dataclasses.replace(_both_gemms(cfg, SWAP_AB=True), BLOCK_M=1),
-    # blocks whose padding rows read the block's first row instead of being masked (fused_moe._token_rows)
-    "filled_blocks": lambda cfg: dataclasses.replace(cfg, BLOCK_M=64),
+    # 64-row blocks: mostly padding at these shapes, so masked rows in every K step of every cell
+    "blocks_of_64": lambda cfg: dataclasses.replace(cfg, BLOCK_M=64),
 }
 
 

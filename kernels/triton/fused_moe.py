@@ -36,9 +36,10 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
     every MXFP4 tile, `launch.fragment_tiles`). At 0.53 bytes per weight the decode instructions could bound
     this kernel (on H200, 4 TB/s of fp4 is ~8e12 weights/s, i.e. about 4 instructions per weight for the whole
     GPU), so bf16 decodes four bytes at a time in PTX on packed registers (_E2M1X4_TO_BF16); fp16 and the
-    interpreter use Triton code. On sm_90 the K loop of triton_kernels' tile shape issues 3.9-4.0 instructions
-    per weight (triton_kernels 3.6-3.8); the checkpoint's order, read byte by byte with the decoded tile shuffled
-    or stored for the MMA, took 4.7-5.8 (bench/results/s27, s28). `tl.dot_scaled`, whose Hopper lowering upcasts
+    interpreter use Triton code. On sm_90 the K loop of triton_kernels' tile shape issues 3.7-4.0 instructions
+    per weight up to 64 tokens per block, 4.5-4.6 at 128 (255 registers; triton_kernels 3.6-3.8 at every size,
+    on 8 warps); the checkpoint's order, read byte by byte with the decoded tile shuffled or stored for the MMA,
+    took 4.7-5.8 (bench/results/s27-s29). `tl.dot_scaled`, whose Hopper lowering upcasts
     in the compiler, measured no faster than the Triton-code decode on the checkpoint order (H200, Triton 3.6)
     and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
   - MXFP8: each K step is one e8m0 group of both operands (BLOCK_K == 32), so the fp8 MMA runs on the
@@ -92,8 +93,6 @@ def _real_rows(rows, row_ok):
     the zero-filled copies move no data; bench/results/s29 f., g.), though the K loops issued 10-27% fewer
     instructions."""
     return tl.where(row_ok, rows, 0)
-
-
 
 
 @triton.jit
@@ -265,9 +264,8 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, 
 
     slab_rows: the first row of each slab the tile reads, in tile order (16 rows; PAIRED, the paired layout of
     interleaved gate/up rows: 32, and the tile is the slabs' gate rows, then their up rows), each a real slab
-    (`_real_rows`). Each lane loads its
-    words contiguously and the reshapes below only rename registers: on sm_90 the decoded values are the MMA's
-    register operand as they leave the decode (bench/sass_count.py).
+    (`_real_rows`). Each lane loads its words contiguously and the reshapes below only rename registers: on sm_90
+    the decoded values are the MMA's register operand as they leave the decode (bench/sass_count.py).
     """
     U: tl.constexpr = 2 if PAIRED else 1                                     # rows per column in a slab
     S: tl.constexpr = ROWS // (16 * U)

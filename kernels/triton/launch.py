@@ -20,8 +20,8 @@ from moerules.quant import Granularity
 from .. import fp4_fragments
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
-from ..weights import MoEWeights
 from ..scheme import Scheme
+from ..weights import MoEWeights
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name

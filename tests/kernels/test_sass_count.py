@@ -28,8 +28,8 @@ def test_mxfp4_fragment_order_feeds_wgmma_from_registers(tmp_path):
     """gpt-oss-20b at M=16 on the MXFP4 default tiles (triton_kernels' 4-warp shape: 128 weight rows on wgmma's M
     side, 128-deep K): in fragment order each lane reads its packed words with 64- or 128-bit LDS (checkpoint order:
     64 LDS.U8 of values per step), the scales arrive through the same pipeline (no byte loads from global memory in the
-    loop), nothing is stored, and the loop issues at most 4.1 instructions per weight (3.91 and 4.02 with
-    Triton 3.6.0)."""
+    loop), nothing is stored, and the loop issues at most 3.9 instructions per weight (3.77 and 3.85 with
+    Triton 3.6.0: scales group-major in their slabs, weight copies masked by K alone)."""
     tile = {"BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "SWAP_AB": True}
     config = {"BLOCK_M": 16, "gemm1": {"BLOCK_N": 64, **tile}, "gemm2": {"BLOCK_N": 128, **tile}}
     done = _run(tmp_path, "--models", "gpt-oss-20b", "--ms", "16", "--config", json.dumps(config))
@@ -41,7 +41,7 @@ def test_mxfp4_fragment_order_feeds_wgmma_from_registers(tmp_path):
         memory = row["loop_memory"]
         assert {"LDS.64", "LDS.128"} & set(memory), memory  # the values; scales come as LDS.U8/U16
         assert not {op for op in memory if op.startswith(("STS", "LDG.E.U8"))}, memory  # scales pipelined too
-        assert 0 < row["per_weight"] <= 4.1
+        assert 0 < row["per_weight"] <= 3.9
 
 
 CARRIED_TK = Path(__file__).resolve().parents[2] / "carry" / "triton_kernels"

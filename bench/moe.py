@@ -371,8 +371,7 @@ class Bench:
                     def run(cfg):
                         return fused_moe(prep.hidden_q, a_scale=prep.a_scale, weights=w, topk_ids=ids,
                                          topk_weights=tw, activation=model.activation,
-                                         quantize_intermediate=lambda t: layer.experts.quantize_gemm_input(
-                                             t, static_scale=w.a2_scale),
+                                         quantize_intermediate=layer.experts.quantize_intermediate(w),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
                     seeds = self.seeds(M, model, w, sname, only_in_use=bool(self.args.fields))

@@ -129,7 +129,7 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     try:
         launch.fused_moe(torch.empty(M, model.H, dtype=torch.bfloat16), a_scale=None, weights=weights,
                          topk_ids=torch.zeros(M, model.k, dtype=torch.int32), topk_weights=torch.empty(M, model.k),
-                         activation=model.activation, quantize_intermediate=lambda t: (t, None),
+                         activation=model.activation, quantize_intermediate=lambda t, _: (t, None),
                          out_dtype=torch.bfloat16, config=config, swiglu=SwigluParams())
     finally:
         launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = saved

@@ -288,14 +288,12 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
     inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
     out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)
 
-    def quantize(t):
-        return layer.experts.quantize_gemm_input(t, static_scale=w.a2_scale)
+    quantize = layer.experts.quantize_intermediate(w)
 
-    def gemm1():
-        launch.gemm1(x_q, a_scale, weights=w, align=align, cfg=cfg, activation=act, out=inter, top_k=k,
-                     swiglu=swiglu)
-    gemm1()
-    inter_q, inter_scale = quantize(inter)
+    def gemm1():  # -> the intermediate's partial amaxes when GEMM1 computes them (launch.gemm1)
+        return launch.gemm1(x_q, a_scale, weights=w, align=align, cfg=cfg, activation=act, out=inter, top_k=k,
+                            swiglu=swiglu)
+    inter_q, inter_scale = quantize(inter, gemm1())
     # GEMM2 reads a buffer GEMM1 does not write, as vLLM's GEMM2 here: both start from a flushed L2.
     inter_q = inter_q.clone() if inter_q is inter else inter_q
 

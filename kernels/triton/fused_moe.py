@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .. import mx, scheme
+from .quant import _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
@@ -439,13 +440,17 @@ def gemm1_gated_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha):
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
+    AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
+    dynamic per-tensor scale (quant.scale_of_partials).
     """
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        if AMAX:
+            tl.store(amax_ptr + tl.program_id(0), 0.0)
         return
     slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
     a_rows = slot // top_k
@@ -498,8 +503,12 @@ def gemm1_gated_kernel(
         out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION)
     else:
         out = _activation(gate, ACTIVATION)
-    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    stored = out.to(out_ptr.dtype.element_ty)
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(out_ptr + slot[:, None] * stride_om + cols[None, :], stored, mask=tile_ok)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), tl.max(tl.max(tl.where(tile_ok, _finite_abs(stored.to(tl.float32)),
+                                                                      0.0), axis=1), axis=0))
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
+from .quant import needs_amax_pass
 
 G = Granularity
 _A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3, G.group32: 4}
@@ -132,12 +133,14 @@ def _lora_epilogue_kwargs(a: torch.Tensor, lora: Optional[LoRAWeights], *, gemm:
 
 def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: MoEWeights, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, activation: Activation,
-              quantize_intermediate: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]],
+              quantize_intermediate: Callable[[torch.Tensor, Optional[torch.Tensor]],
+                                              tuple[torch.Tensor, Optional[torch.Tensor]]],
               out_dtype: torch.dtype, config: Optional[MoEConfig] = None,
               remote_slots: bool = False, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
     """x_q [T, H] (quantised per weights.scheme, with a_scale) -> [T, H] in out_dtype.
 
-    `quantize_intermediate` quantises GEMM1's output for GEMM2 (identity unless W8A8 or MXFP8).
+    `quantize_intermediate(inter, amaxes)` quantises GEMM1's output for GEMM2 (identity unless W8A8 or MXFP8), with
+    `amaxes` the partial amaxes GEMM1 computed of it, or None (see `gemm1`).
     `config` overrides the file/heuristic lookup (the tuner uses it).
     `remote_slots`: topk_ids may hold -1 (expert on another rank under EP). moe_align drops
     those slots, so the kernels never write their rows; the buffers then start zeroed so the
@@ -159,12 +162,12 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
     inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
-    gemm1(x_q, a_scale, weights=weights, align=align, cfg=cfg, activation=activation, out=inter, top_k=k,
-          swiglu=swiglu, lora=lora1)
+    amaxes = gemm1(x_q, a_scale, weights=weights, align=align, cfg=cfg, activation=activation, out=inter, top_k=k,
+                   swiglu=swiglu, lora=lora1)
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,
                                   dummy=weights.w13)
-    inter_q, inter_scale = quantize_intermediate(inter)
+    inter_q, inter_scale = quantize_intermediate(inter, amaxes)
     out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
     gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
           lora=lora2)
@@ -180,11 +183,14 @@ def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torc
 
 def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,
           cfg: MoEConfig, activation: Activation, out: torch.Tensor, top_k: int, swiglu: SwigluParams = SwigluParams(),
-          lora: Optional[dict] = None) -> None:
+          lora: Optional[dict] = None) -> Optional[torch.Tensor]:
     """One launch: act(x_q . w13[e]^T + bias) of every aligned slot into out [slots, I].
 
     x_q [T, H] contiguous, slot s reads row s // top_k; `lora`: the GEMM1 epilogue keyword
     arguments of `_lora_epilogue_kwargs` (None: no adapters).
+    Returns one finite amax per program of the values it stored when GEMM2's input is quantised dynamically per
+    tensor and out is large enough for that quantisation to need an amax pass (`_epilogue_amax`; the quantiser
+    then reduces these, quant.scale_of_partials, instead of reading out twice). Else None.
     """
     dummy = weights.w13
     bias = weights.w13_bias if weights.has_bias else dummy
@@ -193,7 +199,10 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
-    gemm1_gated_kernel[(align.num_blocks * triton.cdiv(I, g.BLOCK_N),)](
+    programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
+    amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
+            if _epilogue_amax(weights, out.numel()) else None)
+    gemm1_gated_kernel[(programs,)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
         weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
         align.sorted_ids, align.expert_ids, align.num_post_padded,
@@ -203,7 +212,17 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
         **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
-        swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha)
+        swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
+        AMAX=amax is not None)
+    return amax
+
+
+def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
+    """Whether GEMM1 computes the amax of its output: GEMM2's input is quantised dynamically per tensor, and the
+    intermediate is larger than one quantiser program reads in one pass."""
+    scheme = weights.scheme
+    return (scheme.quantizes_activations and scheme.act_granularity == G.tensor
+            and weights.a2_scale is None and needs_amax_pass(inter_numel))
 
 
 def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights: MoEWeights,

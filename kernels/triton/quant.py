@@ -16,6 +16,11 @@ M=4096 on the H100: bench/results/quant).
 
 Per token: one program per row, the amax and the quantisation as two loops over the row (the second
 read hits L1/L2).
+
+GEMM2's input (GEMM1's output) needs no amax pass: GEMM1's programs each write the finite amax of the tile they
+store (fused_moe.gemm1_gated_kernel, AMAX), `scale_of_partials` reduces those in one small program, and the
+quantise pass runs on that scale as on a static one: one read of the intermediate instead of two. Below
+`_SINGLE_TILE` elements the single program is one launch already, and GEMM1 writes no partials.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ _SINGLE_TILE = 16384
 _TENSOR_BLOCK = 4096
 # Per tensor: programs per SM of the grid-stride passes (enough loads in flight to stream HBM).
 _PROGRAMS_PER_SM = 4
+# Partial amaxes reduced per step by `scale_of_partials` (GEMM1 writes one per program: thousands at large M).
+_PARTIALS_BLOCK = 1024
 # Groups per program of the group kernel, by group size: 16 x 128 and 32 x 32 elements.
 _GROUPS_PER_PROGRAM = {QUANT_BLOCK: 16, MX_GROUP: 32}
 
@@ -154,6 +161,28 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
         y = _saturate(x, stored[:, None], q_max, TO_INT8)
     tl.store(q_ptr + row * stride_qm + k, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_sm + g, stored, mask=g * GROUP < K)
+
+
+@triton.jit
+def _partials_scale_kernel(partial_ptr, scale_ptr, n, q_max, min_scale, BLOCK: tl.constexpr):
+    """scale = max(max(partial) / q_max, min_scale), in one program (the partials are already finite amaxes)."""
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.load(partial_ptr + offs, mask=offs < n, other=0.0))
+    tl.store(scale_ptr, tl.maximum(tl.max(amax, axis=0) / q_max, min_scale))
+
+
+def needs_amax_pass(numel: int) -> bool:
+    """Whether a dynamic per-tensor quantisation of numel elements reads them twice (an amax pass first)."""
+    return numel > _SINGLE_TILE
+
+
+def scale_of_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dynamic per-tensor scale [1] (fp32) to `dtype` of a tensor whose finite amax is max(partials)."""
+    scale = torch.empty(1, dtype=torch.float32, device=partials.device)
+    _partials_scale_kernel[(1,)](partials, scale, partials.numel(), qmax(dtype), MIN_SCALE, BLOCK=_PARTIALS_BLOCK)
+    return scale
 
 
 def _quantize_tensor(x: torch.Tensor, q: torch.Tensor, static_scale: Optional[torch.Tensor]) -> torch.Tensor:

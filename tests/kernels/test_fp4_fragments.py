@@ -107,7 +107,7 @@ def test_the_gemms_refuse_checkpoint_order_and_halves_that_split_a_slab(poison_e
     ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(KernelInputError) as err:
         fused_moe(x, a_scale=None, weights=w, topk_ids=ids, topk_weights=torch.ones(3, 1, device=DEVICE),
-                  activation=Activation.silu, quantize_intermediate=lambda t: (t, None), out_dtype=torch.float16)
+                  activation=Activation.silu, quantize_intermediate=lambda t, _: (t, None), out_dtype=torch.float16)
     assert str(err.value) == ("the Triton GEMMs read MXFP4 weights in fp4_fragments' order and these are in the "
                               "checkpoint's: call weights.use_fragment_order(interleaved=...) once first (the "
                               "build of a triton.fused_moe layer does)")

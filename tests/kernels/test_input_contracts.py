@@ -68,7 +68,7 @@ def test_the_triton_launcher_itself_copies_a_strided_input():
     layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, H=128, I=64, device=DEVICE)
     x, ids, w = random_inputs(layer, 9, 2, device=DEVICE)
     kwargs = dict(a_scale=None, weights=layer.weights, topk_ids=ids, topk_weights=w,
-                  activation=layer.experts.activation, quantize_intermediate=lambda t: (t, None),
+                  activation=layer.experts.activation, quantize_intermediate=lambda t, _: (t, None),
                   out_dtype=x.dtype)
     expected = fused_moe(x, **kwargs)
     for name, view in strided_views(x).items():

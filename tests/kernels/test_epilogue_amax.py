@@ -13,7 +13,7 @@ from moerules.kernels.triton.launch import fused_moe
 from moerules.kernels.triton.quant import needs_amax_pass, scale_of_partials
 
 FP8 = torch.float8_e4m3fn
-TOL = 6e-2  # the fp8 cells' bound in test_fused_moe.py (two fp8 roundings against the float64 reference)
+TOL = 1e-2  # test_fused_moe.py's W8A8 bound (triton_tol)
 
 
 def _forward(layer, M: int, k: int, *, poison_row: bool = False):

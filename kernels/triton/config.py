@@ -93,11 +93,15 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
     return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
-# MXFP4 decode (at most one row per expert): GEMV rows, narrow N tiles, 512-deep K steps, the weights in fragment
-# order (fp4_fragments.py) as the tuner reached them on the H200 for both gpt-oss models at M=1 (51.2 and 51.7 us;
-# bench/results/s28 c.). In checkpoint order, GEMV rows had beaten the best 16-row MMA tiles 1.44x on the H100.
-_MXFP4_GEMV_GEMM1 = GemmConfig(BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=1, SWAP_AB=True)
-_MXFP4_GEMV_GEMM2 = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=True)
+# MXFP4 decode: GEMV rows, narrow N tiles, 512-deep K steps on both GEMMs, as the tuner reached them on the H200 for
+# both gpt-oss models at M=1 (group-major scales: 53.9 us against 57.6 for session 28's GEMM1 tile, 32 wide on 1
+# stage; bench/results/s29 c.). In checkpoint order, GEMV rows had beaten the best 16-row MMA tiles 1.44x (H100).
+_MXFP4_GEMV = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=True)
+# The most rows per expert GEMV rows serve: each slot reads its expert's weights again, at 6.4-7.0 SASS per weight
+# to the MMA tiles' 3.8 (bench/sass_count.py). H200 (s29 c., d.): at 1/32 and 1/8 row per expert (gpt-oss-120b and
+# -20b at M=1) GEMV rows ran 53.9 us against 56.3-56.5 for the 16-row MMA tile; at 1/2 (gpt-oss-120b M=16) 484.4
+# against 289.2.
+_MXFP4_GEMV_ROWS = 1 / 8
 # MXFP4 MMA tiles: triton_kernels' Hopper shape at 4 warps (128 weight rows on wgmma's M side, 128-deep K steps),
 # the fastest seed at all 12 gpt-oss points with M >= 16 on the H200 in fragment order (bench/results/s28 b.).
 _MXFP4_GEMM1 = GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
@@ -110,11 +114,11 @@ def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
     Every BLOCK_M block of an expert decodes that expert's weights again, so MXFP4's BLOCK_M is the smallest power
     of two that holds the mean rows per expert (one block, one decode): in checkpoint order at M=2048 one 64-row
     block ran 1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned fragment-order tiles
-    keep that rule at every gpt-oss point; at most one row per expert, GEMV rows (BLOCK_M 1).
+    keep that rule at every gpt-oss point; up to _MXFP4_GEMV_ROWS rows per expert, GEMV rows (BLOCK_M 1).
     MXFP8 steps one 32-group per K step (see fused_moe.py).
     """
-    if fp4 and rows_per_expert <= 1:
-        return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV_GEMM1, gemm2=_MXFP4_GEMV_GEMM2)
+    if fp4 and rows_per_expert <= _MXFP4_GEMV_ROWS:
+        return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV, gemm2=_MXFP4_GEMV)
     if fp4:
         block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
         return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)

@@ -5,7 +5,7 @@ Files live in `kernels/configs/` and are named
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
     {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB"]},
      "gemm2": {...}}
-and the entry with the nearest M is used (GEMV rows only up to one row per expert: `_entries_for`).
+and the entry with the nearest M is used (GEMV rows only up to one row per expert, 1/8 for MXFP4: `_entries_for`).
 BLOCK_M is shared because it sets the alignment padding both GEMMs read (1: one slot per block,
 multiplied on CUDA cores, for decode); everything else is tuned per GEMM (their K and N differ).
 """
@@ -136,7 +136,8 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     key = dtype_key(scheme, in_dtype_name)
     table = _load_file(config_file_name(num_experts=num_experts, intermediate=intermediate,
                                         device_name=device_name, dtype=key))
-    entries = table and _entries_for(table, rows_per_expert=num_tokens * top_k / num_experts)
+    entries = table and _entries_for(table, rows_per_expert=num_tokens * top_k / num_experts,
+                                     gemv_rows=_MXFP4_GEMV_ROWS if scheme.is_mx and scheme.k_pack > 1 else 1)
     if entries:
         cfg = entries[min(entries, key=lambda m: abs(m - num_tokens))]
     else:
@@ -145,12 +146,13 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     return cfg
 
 
-def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float) -> dict[int, MoEConfig]:
+def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_rows: float) -> dict[int, MoEConfig]:
     """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
-    past one row per expert, where each row would read its expert's weights again (the tuner seeds them only up to
-    one row, `bench/moe.py`). Nearest M alone sent Mixtral-8x7B at M=16 (4 rows per expert) on the H200 to the M=1
-    entry's GEMV rows: 2321 us against 644 us for vLLM 0.33 (bench/results/s27)."""
-    if rows_per_expert <= 1:
+    past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
+    up to one row, `bench/moe.py`; MXFP4's GEMV rows lose sooner, `_MXFP4_GEMV_ROWS`). Nearest M alone sent
+    Mixtral-8x7B at M=16 (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for
+    vLLM 0.33 (bench/results/s27)."""
+    if rows_per_expert <= gemv_rows:
         return table
     return {m: cfg for m, cfg in table.items() if cfg.BLOCK_M > 1}
 

@@ -1,5 +1,5 @@
 """Which tuned entry a batch runs (`triton.config.get_config`): the nearest M, but no GEMV rows past one row per
-expert."""
+expert (1/8 for MXFP4)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ import pytest
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton import config
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, default_config
-from moerules.quant import QuantConfig
+from moerules.quant import QuantConfig, QuantFamily
 
 BF16 = Scheme.from_quant(QuantConfig())
+MXFP4 = Scheme.from_quant(QuantConfig(family=QuantFamily.mxfp4_w4a16))
 GEMV = MoEConfig(BLOCK_M=1, gemm1=GemmConfig(16, 256, 1, 4, 4), gemm2=GemmConfig(16, 512, 1, 8, 4))
 MMA16 = MoEConfig(BLOCK_M=16, gemm1=GemmConfig(32, 256, 16, 4, 5), gemm2=GemmConfig(64, 128, 1, 4, 4))
 MMA128 = MoEConfig(BLOCK_M=128, gemm1=GemmConfig(128, 64, 16, 8, 4), gemm2=GemmConfig(256, 64, 16, 8, 4))
 
 
-def lookup(monkeypatch, table, *, num_tokens, num_experts, top_k):
+def lookup(monkeypatch, table, *, num_tokens, num_experts, top_k, scheme=BF16):
     monkeypatch.setattr(config, "_load_file", lambda name: table)
     return config.get_config(num_tokens=num_tokens, num_experts=num_experts, intermediate=14336, top_k=top_k,
-                             scheme=BF16, in_dtype_name="bf16", device_name="NVIDIA H200")
+                             scheme=scheme, in_dtype_name="bf16", device_name="NVIDIA H200")
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, expected", [
@@ -39,3 +40,11 @@ def test_a_file_of_gemv_rows_alone_leaves_larger_batches_to_the_heuristic(monkey
     got = lookup(monkeypatch, {1: GEMV}, num_tokens=64, num_experts=8, top_k=2)
     assert got == default_config(num_tokens=64, num_experts=8, top_k=2, scheme=BF16)
     assert got.BLOCK_M > 1
+
+
+@pytest.mark.parametrize("num_tokens, expected", [(4, GEMV), (8, MMA16)])
+def test_mxfp4_gemv_rows_serve_at_most_an_eighth_of_a_row_per_expert(monkeypatch, num_tokens, expected):
+    """gpt-oss-120b (E=128, top-4) on a file with M=1 GEMV rows and an M=16 MMA entry: M=4 (1/8 row per expert) is
+    GEMV rows' still, M=8 (1/4) is nearer M=1 but runs the MMA tiles (GEMV rows at 1/2 row ran 1.67x slower)."""
+    table = {1: GEMV, 16: MMA16}
+    assert lookup(monkeypatch, table, num_tokens=num_tokens, num_experts=128, top_k=4, scheme=MXFP4) == expected

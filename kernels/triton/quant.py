@@ -59,6 +59,12 @@ def _finite_abs(x):
 
 
 @triton.jit
+def _dynamic_scale(amax, q_max, min_scale):
+    """The scale that maps amax to the largest quantised value (qrange.scale_from_amax)."""
+    return tl.maximum(amax / q_max, min_scale)
+
+
+@triton.jit
 def _saturate(x, scale, q_max, TO_INT8: tl.constexpr):
     """x / scale clamped to the quantised range; int8 rounds half away from zero, as the torch path."""
     y = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
@@ -96,7 +102,7 @@ def _tensor_quant_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, n, num_partials, 
         else:
             parts = tl.arange(0, PARTIALS)
             amax = tl.max(tl.load(partial_ptr + parts, mask=parts < num_partials, other=0.0), axis=0)
-        scale = tl.maximum(amax / q_max, min_scale)
+        scale = _dynamic_scale(amax, q_max, min_scale)
         if pid == 0:
             tl.store(scale_ptr, scale)
     for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
@@ -119,7 +125,7 @@ def _token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, q_max,
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / q_max, min_scale)
+    scale = _dynamic_scale(tl.max(amax, axis=0), q_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for k in range(0, K, BLOCK):
         offs = k + tl.arange(0, BLOCK)
@@ -157,7 +163,7 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
         y = tl.minimum(tl.maximum(x * inv[:, None], -q_max), q_max)
         stored = s.to(tl.uint8)
     else:
-        stored = tl.maximum(amax / q_max, min_scale)
+        stored = _dynamic_scale(amax, q_max, min_scale)
         y = _saturate(x, stored[:, None], q_max, TO_INT8)
     tl.store(q_ptr + row * stride_qm + k, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_sm + g, stored, mask=g * GROUP < K)
@@ -165,12 +171,12 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
 
 @triton.jit
 def _partials_scale_kernel(partial_ptr, scale_ptr, n, q_max, min_scale, BLOCK: tl.constexpr):
-    """scale = max(max(partial) / q_max, min_scale), in one program (the partials are already finite amaxes)."""
+    """The dynamic scale of max(partial), in one program (the partials are already finite amaxes)."""
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         amax = tl.maximum(amax, tl.load(partial_ptr + offs, mask=offs < n, other=0.0))
-    tl.store(scale_ptr, tl.maximum(tl.max(amax, axis=0) / q_max, min_scale))
+    tl.store(scale_ptr, _dynamic_scale(tl.max(amax, axis=0), q_max, min_scale))
 
 
 def needs_amax_pass(numel: int) -> bool:

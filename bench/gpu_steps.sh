@@ -22,8 +22,8 @@
 #   profile_mx  ncu (hardware counters, clocks left alone) of triton_kernels' and our MXFP4 GEMMs, once each, on
 #             PROFILE_MODELS (default gpt-oss-120b) at PROFILE_MS (default 256): bench/tk_mxfp4.py --profile
 #   gemv_probe  which fragment-order MXFP4 GEMV tiles compute right (bench/fp4_gemv_probe.py)
-#   tune_mx   tune MXFP4 on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64 256), TUNE_SECONDS each;
-#             TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
+#   tune_mx   tune TUNE_MX_SCHEMES (default mxfp4) on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64
+#             256), TUNE_SECONDS each; TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
@@ -67,7 +67,7 @@ recheck() {
 tune_mx() {
   local m
   for m in ${TUNE_MX_MODELS:-gpt-oss-120b gpt-oss-20b}; do
-    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes mxfp4 --ms ${TUNE_MS:-16 64 256} ${TUNE_ARGS:-}
+    tune_one "${TUNE_SECONDS:-140}" "$m" --schemes ${TUNE_MX_SCHEMES:-mxfp4} --ms ${TUNE_MS:-16 64 256} ${TUNE_ARGS:-}
   done
 }
 tk() {

@@ -23,7 +23,7 @@ It times nothing: GPU time is scarce (30 minutes a session). It tells, before a 
 cuts the instructions a decode-bound kernel issues and what it costs in registers. Session 26 found that a 20%
 cut (MXFP4 GEMM1 at 16x32x64: 183 -> 146 SASS per K step) did not make the kernel faster on the H200
 (bench/results/s26): read these counts next to a timing, never instead of one.
-Weight-only schemes only (bf16, mxfp4): quantised activations would run the Triton quantisers here.
+Schemes: bf16, mxfp4 and mxfp8 (its GEMM inputs stand in uninitialised, as the quantisers would hand them over).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ from moerules.kernels.triton.config import MoEConfig, get_config
 from moerules.kernels.weights import MoEWeights
 
 SM90 = GPUTarget("cuda", 90, 32)
-SCHEMES = ("bf16", "mxfp4")
+SCHEMES = ("bf16", "mxfp4", "mxfp8")
 _POINTER = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+            torch.float8_e4m3fn: "fp8e4nv",
             torch.int32: "i32", torch.int64: "i64"}
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 _MEMORY_OPS = ("LDG", "LDS", "STS", "LDSM", "STSM", "LDL", "STL")
@@ -113,6 +114,14 @@ def empty_weights(model, scheme_name: str) -> MoEWeights:
     return MoEWeights(scheme=scheme, in_dtype=Dtype.bf16, **w, fp4_fragment_order=order)
 
 
+def _gemm_input(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a GEMM input, its scale) as the scheme's quantiser would hand them over, uninitialised (nothing runs)."""
+    if scheme.act_torch_dtype is None:
+        return x, None
+    return (torch.empty(x.shape, dtype=scheme.act_torch_dtype),
+            torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.uint8))
+
+
 def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> list[Launch]:
     """The GEMM launches `fused_moe` makes for M tokens, captured (nothing runs)."""
     launches: list[Launch] = []
@@ -126,10 +135,11 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     saved = launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel
     launch.moe_align = alignment
     launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = _Capture(saved[1], launches), _Capture(saved[2], launches)
+    x, a_scale = _gemm_input(torch.empty(M, model.H, dtype=torch.bfloat16), weights.scheme)
     try:
-        launch.fused_moe(torch.empty(M, model.H, dtype=torch.bfloat16), a_scale=None, weights=weights,
-                         topk_ids=torch.zeros(M, model.k, dtype=torch.int32), topk_weights=torch.empty(M, model.k),
-                         activation=model.activation, quantize_intermediate=lambda t, _: (t, None),
+        launch.fused_moe(x, a_scale=a_scale, weights=weights, topk_ids=torch.zeros(M, model.k, dtype=torch.int32),
+                         topk_weights=torch.empty(M, model.k), activation=model.activation,
+                         quantize_intermediate=lambda t, _: _gemm_input(t, weights.scheme),
                          out_dtype=torch.bfloat16, config=config, swiglu=SwigluParams())
     finally:
         launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = saved

@@ -79,12 +79,12 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
 
     BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
     blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
-    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales).
-    MX has its own table (`_mx_config`).
+    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales, and are whole
+    MXFP8 groups). MXFP4 has its own table (`_mxfp4_config`).
     """
     rows_per_expert = num_tokens * top_k / num_experts
-    if scheme.is_mx:
-        return _mx_config(rows_per_expert, fp4=scheme.k_pack > 1)
+    if scheme.is_mx and scheme.k_pack > 1:
+        return _mxfp4_config(rows_per_expert)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
     block_k = 128 if scheme.weight_dtype is not None else 64
     small = block_m <= 32
@@ -108,27 +108,18 @@ _MXFP4_GEMM1 = GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_s
 _MXFP4_GEMM2 = GemmConfig(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
 
 
-def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
-    """MX defaults, from sweeps on gpt-oss shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
+def _mxfp4_config(rows_per_expert: float) -> MoEConfig:
+    """MXFP4 defaults, from sweeps on gpt-oss shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
 
-    Every BLOCK_M block of an expert decodes that expert's weights again, so MXFP4's BLOCK_M is the smallest power
-    of two that holds the mean rows per expert (one block, one decode): in checkpoint order at M=2048 one 64-row
-    block ran 1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned fragment-order tiles
-    keep that rule at every gpt-oss point; up to _MXFP4_GEMV_ROWS rows per expert, GEMV rows (BLOCK_M 1).
-    MXFP8 steps one 32-group per K step (see fused_moe.py).
+    Every BLOCK_M block of an expert decodes that expert's weights again, so BLOCK_M is the smallest power of two
+    that holds the mean rows per expert (one block, one decode): in checkpoint order at M=2048 one 64-row block ran
+    1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned fragment-order tiles keep that
+    rule at every gpt-oss point; up to _MXFP4_GEMV_ROWS rows per expert, GEMV rows (BLOCK_M 1).
     """
-    if fp4 and rows_per_expert <= _MXFP4_GEMV_ROWS:
+    if rows_per_expert <= _MXFP4_GEMV_ROWS:
         return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV, gemm2=_MXFP4_GEMV)
-    if fp4:
-        block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
-        return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)
-    if rows_per_expert <= 48:
-        block_m = 16 if rows_per_expert <= 16 else 32
-        g = GemmConfig(BLOCK_N=64, BLOCK_K=MX_GROUP, GROUP_M=1, num_warps=4, num_stages=4)
-    else:
-        block_m = 64 if rows_per_expert <= 160 else 128
-        g = GemmConfig(BLOCK_N=128, BLOCK_K=MX_GROUP, GROUP_M=8, num_warps=8, num_stages=3)
-    return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
+    block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
+    return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)
 
 
 def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,
@@ -185,9 +176,8 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
     for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
         if scheme.weight_granularity == Granularity.block128 and 128 % g.BLOCK_K:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must divide 128 for block-scaled weights")
-        if scheme.is_mx and scheme.k_pack > 1 and g.BLOCK_K % MX_GROUP:
-            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MXFP4 weights")
-        if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K != MX_GROUP:
-            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be {MX_GROUP} for MXFP8 (one e8m0 group per K step)")
+        if scheme.is_mx and g.BLOCK_K % MX_GROUP:
+            raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MX weights (whole "
+                             "e8m0 groups per K step)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

@@ -28,7 +28,7 @@ from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, E8M0_FOLD_MA
                                  e2m1_encode, e8m0_decode, e8m0_encode, pack_fp4, quantize_mx, unpack_fp4)
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
 from moerules.kernels.scheme import Scheme
-from moerules.kernels.triton.config import GemmConfig, MoEConfig, default_config
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config, default_config
 from moerules.quant import Granularity as G
 
 MXFP4 = "mxfp4_w4a16/group32"
@@ -210,6 +210,33 @@ def test_triton_mx_expert_without_tokens_and_zero_tokens(cell, poison_empty):
     assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(cell)
     empty = layer(x[:0], topk_ids=ids[:0], topk_weights=w[:0])
     assert empty.shape == (0, 96) and empty.dtype == x.dtype
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("block_k", [32, 64, 256])
+def test_triton_mxfp8_k_steps_of_several_groups(block_k, swap, poison_empty, monkeypatch):
+    """MXFP8 K steps of any whole number of 32-groups, each operand value dequantised with its own group's scale:
+    K = 320 (GEMM1) and 192 (GEMM2) end in a partial step at 64 and 256; each weight group's scale moved by a
+    random power of two in 2^-3..2^3, so a scale applied to the wrong group shows."""
+    run_with_config(monkeypatch, lambda cfg: MoEConfig(
+        16, *(GemmConfig(BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap),) * 2))
+    layer = make_layer("triton.fused_moe", MXFP8, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
+                       E=4, H=320, I=192, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    for name in ("w13_scale", "w2_scale"):
+        scale = getattr(layer.weights, name)
+        scale += torch.randint(-3, 4, scale.shape, generator=g).to(scale.dtype).to(scale.device)
+    x, ids, w = random_inputs(layer, 19, 2, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP8)
+
+
+def test_mx_k_steps_are_whole_groups():
+    scheme = Scheme.from_quant(quant_of(MXFP8))
+    cfg = MoEConfig(16, GemmConfig(BLOCK_N=32, BLOCK_K=48, GROUP_M=1, num_warps=4, num_stages=2),
+                    GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
+    with pytest.raises(ValueError) as info:
+        check_config(cfg, scheme)
+    assert str(info.value) == "gemm1: BLOCK_K=48 must be a multiple of 32 for MX weights (whole e8m0 groups per K step)"
 
 
 # ---- padding ------------------------------------------------------------------------------------

@@ -66,11 +66,11 @@ def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w1, col_ok, w1,
                        stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False, BLOCK_N, BLOCK_K,
-                       SWAP_AB, tl.float32)  # the output dtype picks MXFP8's MMA dtype: no MX here
+                       SWAP_AB)
         if TWO:
             acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w2, col_ok, w2,
                            stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False,
-                           BLOCK_N, BLOCK_K, SWAP_AB, tl.float32)
+                           BLOCK_N, BLOCK_K, SWAP_AB)
     acc1 = _epilogue_scale(_acc_rows_first(acc1, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok,
                            stride_wsn, A_SCALE, W_SCALE)
     if TWO:

@@ -42,13 +42,13 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
     took 4.7-5.8 (bench/results/s27-s29). `tl.dot_scaled`, whose Hopper lowering upcasts
     in the compiler, measured no faster than the Triton-code decode on the checkpoint order (H200, Triton 3.6)
     and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
-  - MXFP8, two ways, by BLOCK_K. A K step of one 32-group runs the fp8 MMA on the stored bytes and scales its
-    [BLOCK_M, BLOCK_N] result by sa*sw before adding it (as block128): fp8 rate, but one MMA wait per 32 of K,
-    and it ran at 15-24% of the floor at M >= 2048 on the H100 (bench/results/kernels). A deeper K step (any
-    multiple of 32) dequantises both operands in registers, each e4m3 value times its group's e8m0 scale, into
-    the output dtype (exact: `_mx8_dequantized`) and runs one 16-bit MMA with an fp32 accumulator per step: the
-    same products, half the MMA rate, no wait per group. `tl.dot_scaled` (the upcast in the compiler) had
-    measured 1.0-2x slower than the first way on the H200.
+  - MXFP8, two ways, by BLOCK_K. A K step of one 32-group runs the fp8 MMA on the stored bytes of both operands and
+    scales its [BLOCK_M, BLOCK_N] result by sa*sw before adding it (as block128): fp8 rate, but one MMA wait per 32
+    of K (10-12% of the floor at M=4096 on the H200, bench/results/s30). Deeper K steps read the input dequantised
+    once by the host (quant.dequantize_mx: the MX values in the output dtype, exact; A_SCALE 0) and dequantise the
+    weight tile in registers (`_mx8_weights`), one 16-bit MMA per step: the same products, half the MMA rate, no
+    wait per group, and each activation decoded once instead of once per column tile. `tl.dot_scaled` (the upcast
+    in the compiler) had measured 1.0-2x slower than the first way on the H200.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .. import mx, scheme
-from .quant import _finite_abs
+from .quant import _e8m0, _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
@@ -97,12 +97,6 @@ def _real_rows(rows, row_ok):
     the zero-filled copies move no data; bench/results/s29 f., g.), though the K loops issued 10-27% fewer
     instructions."""
     return tl.where(row_ok, rows, 0)
-
-
-@triton.jit
-def _e8m0(s):
-    """e8m0 bytes -> 2^(s - 127) in fp32, written straight into the exponent bits (exact for 1 <= s <= 254)."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -263,43 +257,30 @@ def _e2m1_unpack(packed, s, dtype: tl.constexpr):
 
 
 @triton.jit
-def _mx8_dequantized(x, s, out_dtype: tl.constexpr, K_LAST: tl.constexpr):
-    """An MXFP8 tile (e4m3, K along its last dimension if K_LAST, else its first) times its e8m0 scales s ([rows,
-    groups] if K_LAST, else [groups, rows]), in fp16 for an fp16 output, else bf16. Exact: e4m3's 4 significant
-    bits fit bf16's 8 and fp16's 11, and bf16 has fp32's exponent range (fp16 holds the values while they stay in
-    its range, as the fp16 model's own tensors do; its scaling runs in fp32, where every e8m0 scale is finite)."""
-    NB: tl.constexpr = x.shape[1] // MX_GROUP if K_LAST else x.shape[0] // MX_GROUP
-    if out_dtype == tl.float16:
-        dtype: tl.constexpr = tl.float16
-        v = x.to(tl.float32)
-        scale = _e8m0(s)
-    else:
-        dtype: tl.constexpr = tl.bfloat16
-        v = x.to(tl.bfloat16)
-        scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)          # 2^(s - 127), as _e8m0
-    if K_LAST:
-        v = tl.reshape(v, (x.shape[0], NB, MX_GROUP)) * scale[:, :, None]
-    else:
-        v = tl.reshape(v, (NB, MX_GROUP, x.shape[1])) * scale[:, None, :]
-    return tl.reshape(v, x.shape).to(dtype)
-
-
-@triton.jit
-def _mx8_mma(acc, a, b, a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, stride_wsn, k0, K,
-             out_dtype: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc += a . b for MXFP8 operands (e4m3 with an e8m0 scale per 32 of K: a's [rows, K/32], the weights'
-    [N, K/32]): both dequantised (`_mx8_dequantized`), one MMA for the whole K step. w_rows are real rows."""
-    NB: tl.constexpr = a.shape[1] // MX_GROUP
+def _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, dtype: tl.constexpr, SWAP_AB: tl.constexpr):
+    """An MXFP8 weight tile b (e4m3; [BLOCK_N, BLOCK_K] swapped, else [BLOCK_K, BLOCK_N]) times its e8m0 scales
+    ([N, K/32] per expert; w_rows are real rows), in dtype. Exact: e4m3's 4 significant bits fit bf16's 8 and
+    fp16's 11, and bf16 has fp32's exponent range (fp16 holds the values while they stay in its range, as the fp16
+    model's own weights do; its scaling runs in fp32, where every e8m0 scale is finite)."""
+    NB: tl.constexpr = (b.shape[1] if SWAP_AB else b.shape[0]) // MX_GROUP
     g = k0 // MX_GROUP + tl.arange(0, NB)
     g_ok = g < K // MX_GROUP
-    sa = tl.load(a_scale_ptr + a_rows[:, None] * stride_asm + g[None, :], mask=row_ok[:, None] & g_ok[None, :],
-                 other=0)
     w_off = w_rows.to(tl.int64) * stride_wsn
     if SWAP_AB:
-        sw = tl.load(w_scale_e + w_off[:, None] + g[None, :], mask=g_ok[None, :], other=0)
+        s = tl.load(w_scale_e + w_off[:, None] + g[None, :], mask=g_ok[None, :], other=0)
     else:
-        sw = tl.load(w_scale_e + w_off[None, :] + g[:, None], mask=g_ok[:, None], other=0)
-    return _dot(_mx8_dequantized(a, sa, out_dtype, True), _mx8_dequantized(b, sw, out_dtype, SWAP_AB), acc, SWAP_AB)
+        s = tl.load(w_scale_e + w_off[None, :] + g[:, None], mask=g_ok[:, None], other=0)
+    if dtype == tl.bfloat16:
+        v = b.to(tl.bfloat16)
+        scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)          # 2^(s - 127), as _e8m0
+    else:
+        v = b.to(tl.float32)
+        scale = _e8m0(s)
+    if SWAP_AB:
+        v = tl.reshape(v, (b.shape[0], NB, MX_GROUP)) * scale[:, :, None]
+    else:
+        v = tl.reshape(v, (NB, MX_GROUP, b.shape[1])) * scale[:, None, :]
+    return tl.reshape(v, b.shape).to(dtype)
 
 
 @triton.jit
@@ -350,11 +331,11 @@ def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows,
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
             UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, OUT_DTYPE: tl.constexpr):
+            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes.
 
     w_rows and slab_rows are real rows (`_real_rows`), so the weight loads mask K alone; col_ok masks the block
-    scales of the columns past N. OUT_DTYPE: the GEMM output's, which picks MXFP8's MMA dtype (`_mx8_dequantized`)."""
+    scales of the columns past N."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
                        BLOCK_N, BLOCK_K, SWAP_AB)
@@ -364,9 +345,10 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
             b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
         else:
             b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None], other=0.0)
-        if W_SCALE == 4 and BLOCK_K > MX_GROUP:
-            acc = _mx8_mma(acc, a, b, a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, stride_wsn, k0, K,
-                           OUT_DTYPE, SWAP_AB)
+        tl.static_assert(W_SCALE != 4 or A_SCALE == 0 or BLOCK_K == MX_GROUP,
+                         "MXFP8 inputs with K steps of several groups come dequantised (launch.py)")
+        if W_SCALE == 4 and A_SCALE == 0:
+            acc = _dot(a, _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, a.dtype, SWAP_AB), acc, SWAP_AB)
         else:
             sa, sw = 1.0, 1.0  # unused unless block/group-scaled
             if W_SCALE >= 3:
@@ -533,7 +515,7 @@ def gemm1_gated_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
-                      BLOCK_K, SWAP_AB, out_ptr.dtype.element_ty)
+                      BLOCK_K, SWAP_AB)
     acc = _acc_rows_first(acc, SWAP_AB)
     if GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -592,7 +574,7 @@ def gemm2_weighted_kernel(
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
-                      BLOCK_K, SWAP_AB, out_ptr.dtype.element_ty)
+                      BLOCK_K, SWAP_AB)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

@@ -19,6 +19,7 @@ from moerules.quant import Granularity
 
 from .. import fp4_fragments
 from ..activations import is_interleaved
+from ..mx import MX_GROUP
 from ..lora import LoRAWeights
 from ..scheme import Scheme
 from ..weights import MoEWeights
@@ -27,7 +28,7 @@ from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
-from .quant import needs_amax_pass
+from .quant import dequantize_mx, needs_amax_pass
 
 G = Granularity
 _A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3, G.group32: 4}
@@ -79,6 +80,17 @@ def fragment_tiles(cfg: MoEConfig, scheme: Scheme) -> MoEConfig:
                        BLOCK_K=max(g.BLOCK_K, _GEMV_FRAGMENT_K) if gemv else g.BLOCK_K,
                        num_warps=_GEMV_FRAGMENT_WARPS if gemv else g.num_warps)
     return replace(cfg, gemm1=tile(cfg.gemm1), gemm2=tile(cfg.gemm2))
+
+
+def _gemm_input(a: torch.Tensor, a_scale: Optional[torch.Tensor], weights: MoEWeights, g: GemmConfig,
+                dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+    """(the GEMM's input, its scale, its scheme flags). MXFP8 GEMMs whose K steps hold several 32-groups read their
+    input dequantised into dtype, once here, rather than once per column tile in their K loops (fused_moe.py)."""
+    flags = _scheme_flags(weights)
+    scheme = weights.scheme
+    if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K > MX_GROUP:
+        return dequantize_mx(a, a_scale, dtype), None, flags | dict(A_SCALE=0)
+    return a, a_scale, flags
 
 
 def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -199,6 +211,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
+    x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, g, out.dtype)
     programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
             if _epilogue_amax(weights, out.numel()) else None)
@@ -210,7 +223,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **_scheme_flags(weights), **_launch_kwargs(g), GATED=weights.gated,
+        **flags, **_launch_kwargs(g), GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
         AMAX=amax is not None)
@@ -238,6 +251,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     cfg = fragment_tiles(cfg, weights.scheme)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
+    inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, g, out.dtype)
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
         weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
@@ -245,5 +259,5 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         out.shape[0], align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **_scheme_flags(weights), **_launch_kwargs(g),
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
         **(lora or _no_lora(dummy)))

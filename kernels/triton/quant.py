@@ -145,6 +145,25 @@ def _e8m0_of(amax, EMAX: tl.constexpr, BIAS: tl.constexpr, S_MIN: tl.constexpr, 
 
 
 @triton.jit
+def _e8m0(s):
+    """e8m0 bytes -> 2^(s - 127) in fp32, written straight into the exponent bits (exact for 1 <= s <= 254)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_dequant_kernel(q_ptr, scale_ptr, out_ptr, K, stride_qm, stride_sm, stride_om, GROUPS: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """GROUPS consecutive MX groups of one row: each element times its group's e8m0 scale, in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = k < K
+    q = tl.load(q_ptr + row * stride_qm + k, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + row * stride_sm + g, mask=g * GROUP < K, other=0)
+    tl.store(out_ptr + row * stride_om + k, (q * _e8m0(s)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, q_max, min_scale,
                         MX: tl.constexpr, TO_INT8: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
                         S_MIN: tl.constexpr, S_MAX: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
@@ -229,6 +248,18 @@ def _quantize_groups(x: torch.Tensor, q: torch.Tensor, group: int) -> torch.Tens
         TO_INT8=q.dtype == torch.int8, EMAX=E4M3_EMAX, BIAS=E8M0_BIAS, S_MIN=E8M0_MIN, S_MAX=E8M0_MAX,
         GROUPS=per_program, GROUP=group)
     return scale
+
+
+def dequantize_mx(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MX activations [T, K] with their e8m0 scales [T, K/32] -> their values in dtype (exact in bf16; in fp16 while
+    they stay in its range, as the fp16 model's own tensors do)."""
+    T, K = q.shape
+    out = torch.empty(T, K, dtype=dtype, device=q.device)
+    groups = triton.cdiv(K, MX_GROUP)
+    per_program = min(_GROUPS_PER_PROGRAM[MX_GROUP], triton.next_power_of_2(groups))
+    _mx_dequant_kernel[(T, triton.cdiv(groups, per_program))](
+        q, scale, out, K, q.stride(0), scale.stride(0), out.stride(0), GROUPS=per_program, GROUP=MX_GROUP)
+    return out
 
 
 def quantize_activation_triton(x: torch.Tensor, *, dtype: torch.dtype, granularity: Granularity,

@@ -29,6 +29,7 @@ from moerules.kernels.mx import (E2M1_VALUES, E4M3_EMAX, E2M1_EMAX, E8M0_FOLD_MA
 from moerules.kernels.quantize import dequantize_activation, quantize_activation
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config, default_config
+from moerules.kernels.triton.quant import dequantize_mx as dequantize_mx_triton
 from moerules.quant import Granularity as G
 
 MXFP4 = "mxfp4_w4a16/group32"
@@ -215,9 +216,10 @@ def test_triton_mx_expert_without_tokens_and_zero_tokens(cell, poison_empty):
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("block_k", [32, 64, 256])
 def test_triton_mxfp8_k_steps_of_several_groups(block_k, swap, poison_empty, monkeypatch):
-    """MXFP8 K steps of any whole number of 32-groups, each operand value dequantised with its own group's scale:
-    K = 320 (GEMM1) and 192 (GEMM2) end in a partial step at 64 and 256; each weight group's scale moved by a
-    random power of two in 2^-3..2^3, so a scale applied to the wrong group shows."""
+    """MXFP8 K steps of any whole number of 32-groups (deeper than one: dequantised inputs, the weight tile
+    dequantised in the K loop), each value with its own group's scale: K = 320 (GEMM1) and 192 (GEMM2) end in a
+    partial step at 64 and 256; each weight group's scale moved by a random power of two in 2^-3..2^3, so a scale
+    applied to the wrong group shows."""
     run_with_config(monkeypatch, lambda cfg: MoEConfig(
         16, *(GemmConfig(BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap),) * 2))
     layer = make_layer("triton.fused_moe", MXFP8, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
@@ -228,6 +230,15 @@ def test_triton_mxfp8_k_steps_of_several_groups(block_k, swap, poison_empty, mon
         scale += torch.randint(-3, 4, scale.shape, generator=g).to(scale.dtype).to(scale.device)
     x, ids, w = random_inputs(layer, 19, 2, device=DEVICE)
     assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < tol(MXFP8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_mx_dequantize_is_exact(dtype):
+    """quant.dequantize_mx: the MX values of the quantised activations, bit for bit (K = 200: a partial group)."""
+    x = torch.randn(7, 200, generator=torch.Generator().manual_seed(3)) * 4
+    q, scale = quantize_mx(x, fp4=False)
+    out = dequantize_mx_triton(q.to(DEVICE), scale.to(DEVICE), dtype)
+    assert out.dtype == dtype and torch.equal(out.cpu(), dequantize_mx(q, scale).to(dtype))
 
 
 def test_mx_k_steps_are_whole_groups():

@@ -48,7 +48,6 @@ import torch
 from moerules.activation import Activation, Dtype
 from moerules.kernels import KernelBuildError, RoutingConfig, build_layer, make_random_lora, make_random_weights
 from moerules.kernels.example import run_forward
-from moerules.kernels.mx import MX_GROUP
 from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
@@ -423,9 +422,6 @@ class Bench:
                   if 16 <= bm <= 128]
         if M * model.k <= model.E:
             named += [(self.gemv_config(bn, bk, scheme), f"GEMV N{bn} K{bk}") for bn, bk in self.GEMV_SEEDS]
-        if scheme.is_mx and scheme.k_pack == 1:  # MXFP8's other K loop (fused_moe.py): the fp8 MMA per 32-group
-            named.append((replace(cur, gemm1=replace(cur.gemm1, BLOCK_K=MX_GROUP),
-                                  gemm2=replace(cur.gemm2, BLOCK_K=MX_GROUP)), "fp8 MMA per 32-group"))
         if scheme.is_mx and scheme.k_pack > 1:
             for tile in self.TK_MXFP4_TILES:
                 tk = self.tk_mxfp4_config(M * model.k / model.E, gated=model.activation.gated, **tile)

@@ -79,12 +79,12 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
 
     BLOCK_M follows the expected rows per expert (padding waste vs MMA efficiency); small
     blocks stream weights with narrow N tiles for more programs in flight; 8-bit operands
-    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales, and are whole
-    MXFP8 groups). MXFP4 has its own table (`_mxfp4_config`).
+    take a longer K step for the same bytes per load (both K steps divide the 128 of block scales).
+    MX has its own table (`_mx_config`).
     """
     rows_per_expert = num_tokens * top_k / num_experts
-    if scheme.is_mx and scheme.k_pack > 1:
-        return _mxfp4_config(rows_per_expert)
+    if scheme.is_mx:
+        return _mx_config(rows_per_expert, fp4=scheme.k_pack > 1)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64 if rows_per_expert <= 160 else 128
     block_k = 128 if scheme.weight_dtype is not None else 64
     small = block_m <= 32
@@ -93,33 +93,44 @@ def default_config(*, num_tokens: int, num_experts: int, top_k: int, scheme: Sch
     return MoEConfig(BLOCK_M=block_m, gemm1=g, gemm2=g)
 
 
-# MXFP4 decode: GEMV rows, narrow N tiles, 512-deep K steps on both GEMMs, as the tuner reached them on the H200 for
-# both gpt-oss models at M=1 (group-major scales: 53.9 us against 57.6 for session 28's GEMM1 tile, 32 wide on 1
-# stage; bench/results/s29 c.). In checkpoint order, GEMV rows had beaten the best 16-row MMA tiles 1.44x (H100).
+# MX decode: GEMV rows, narrow N tiles, deep K steps on both GEMMs, as the tuner reached them on the H200 for both
+# gpt-oss models at M=1 (MXFP4, group-major scales: 53.9 us against 57.6 for session 28's GEMM1 tile, 32 wide on
+# 1 stage; bench/results/s29 c.; MXFP8: 70.4 and 67.7 us against 95 for the 16-row MMA tiles, s30). In checkpoint
+# order, MXFP4's GEMV rows had beaten the best 16-row MMA tiles 1.44x (H100).
 _MXFP4_GEMV = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=True)
+_MXFP8_GEMV = GemmConfig(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=2)
 # The most rows per expert GEMV rows serve: each slot reads its expert's weights again, at 6.4-7.0 SASS per weight
-# to the MMA tiles' 3.8 (bench/sass_count.py). H200 (s29 c., d.): at 1/32 and 1/8 row per expert (gpt-oss-120b and
-# -20b at M=1) GEMV rows ran 53.9 us against 56.3-56.5 for the 16-row MMA tile; at 1/2 (gpt-oss-120b M=16) 484.4
-# against 289.2.
-_MXFP4_GEMV_ROWS = 1 / 8
+# to the MMA tiles' 3.8 (MXFP4, bench/sass_count.py). H200 (s29 c., d.): at 1/32 and 1/8 row per expert (gpt-oss-120b
+# and -20b at M=1) MXFP4's GEMV rows ran 53.9 us against 56.3-56.5 for the 16-row MMA tile; at 1/2 (gpt-oss-120b
+# M=16) 484.4 against 289.2; MXFP8's at 1/2, 602.2 against 529.9 (s30).
+_MX_GEMV_ROWS = 1 / 8
 # MXFP4 MMA tiles: triton_kernels' Hopper shape at 4 warps (128 weight rows on wgmma's M side, 128-deep K steps),
 # the fastest seed at all 12 gpt-oss points with M >= 16 on the H200 in fragment order (bench/results/s28 b.).
 _MXFP4_GEMM1 = GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
 _MXFP4_GEMM2 = GemmConfig(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SWAP_AB=True)
+# MXFP8 MMA tiles, the H200 tuner's at both gpt-oss models (bench/results/s30): 4 warps, narrow GEMM1 tiles (each
+# weight tile is dequantised in registers), 128-deep K steps at 16-row blocks, 64-deep from 32 rows.
+_MXFP8_SMALL = (GemmConfig(BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+                GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3))
+_MXFP8_LARGE = (GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3),
+                GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4))
 
 
-def _mxfp4_config(rows_per_expert: float) -> MoEConfig:
-    """MXFP4 defaults, from sweeps on gpt-oss shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
+def _mx_config(rows_per_expert: float, *, fp4: bool) -> MoEConfig:
+    """MX defaults, from sweeps on gpt-oss shapes (H200, Triton 3.6; bench/moe.py --phase tune refines).
 
-    Every BLOCK_M block of an expert decodes that expert's weights again, so BLOCK_M is the smallest power of two
-    that holds the mean rows per expert (one block, one decode): in checkpoint order at M=2048 one 64-row block ran
-    1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned fragment-order tiles keep that
-    rule at every gpt-oss point; up to _MXFP4_GEMV_ROWS rows per expert, GEMV rows (BLOCK_M 1).
+    Every BLOCK_M block of an expert dequantises that expert's weights again, so BLOCK_M is the smallest power of two
+    that holds the mean rows per expert (one block, one decode): MXFP4 in checkpoint order at M=2048 ran one 64-row
+    block 1.36x faster than a 128-row one and 2x faster than two 32-row ones, and the tuned tiles of both formats
+    mostly keep that rule; up to _MX_GEMV_ROWS rows per expert, GEMV rows (BLOCK_M 1).
     """
-    if rows_per_expert <= _MXFP4_GEMV_ROWS:
-        return MoEConfig(BLOCK_M=1, gemm1=_MXFP4_GEMV, gemm2=_MXFP4_GEMV)
+    if rows_per_expert <= _MX_GEMV_ROWS:
+        gemv = _MXFP4_GEMV if fp4 else _MXFP8_GEMV
+        return MoEConfig(BLOCK_M=1, gemm1=gemv, gemm2=gemv)
     block_m = next(b for b in (16, 32, 64, 128) if rows_per_expert <= b or b == 128)
-    return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)
+    if fp4:
+        return MoEConfig(BLOCK_M=block_m, gemm1=_MXFP4_GEMM1, gemm2=_MXFP4_GEMM2)
+    return MoEConfig(block_m, *(_MXFP8_SMALL if block_m == 16 else _MXFP8_LARGE))
 
 
 def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: int, scheme: Scheme,
@@ -128,7 +139,7 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     table = _load_file(config_file_name(num_experts=num_experts, intermediate=intermediate,
                                         device_name=device_name, dtype=key))
     entries = table and _entries_for(table, rows_per_expert=num_tokens * top_k / num_experts,
-                                     gemv_rows=_MXFP4_GEMV_ROWS if scheme.is_mx and scheme.k_pack > 1 else 1)
+                                     gemv_rows=_MX_GEMV_ROWS if scheme.is_mx else 1)
     if entries:
         cfg = entries[min(entries, key=lambda m: abs(m - num_tokens))]
     else:
@@ -140,7 +151,7 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
 def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_rows: float) -> dict[int, MoEConfig]:
     """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
-    up to one row, `bench/moe.py`; MXFP4's GEMV rows lose sooner, `_MXFP4_GEMV_ROWS`). Nearest M alone sent
+    up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`). Nearest M alone sent
     Mixtral-8x7B at M=16 (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for
     vLLM 0.33 (bench/results/s27)."""
     if rows_per_expert <= gemv_rows:

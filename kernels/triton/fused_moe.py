@@ -18,8 +18,8 @@ rounded up to a power of two >= 16 (tl.dot's smallest K); ranks past the real on
 so the adapters need no padded copy.
 
 Scale codes (tl.constexpr):
-  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128],
-           4 MX: e8m0 (uint8) per 1x32 group [rows, K/32]
+  A_SCALE: 0 none, 1 per tensor [1], 2 per row [rows], 3 per 1x128 group [rows, K/128] (MX activations arrive
+           dequantised, with 0: see MXFP8 below)
   W_SCALE: 0 none, 1 per expert [E], 2 per channel [E, N], 3 per 128x128 block [E, N/128, K/128],
            4 MX: e8m0 (uint8) per 1x32 group [E, N, K/32]
   W_FP4:   0 no; 1 the weights are packed e2m1 pairs in the MMA fragment order of fp4_fragments.py (what our
@@ -42,13 +42,13 @@ whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MM
     took 4.7-5.8 (bench/results/s27-s29). `tl.dot_scaled`, whose Hopper lowering upcasts
     in the compiler, measured no faster than the Triton-code decode on the checkpoint order (H200, Triton 3.6)
     and has no interpreter implementation. The configs use large BLOCK_M to decode each weight once.
-  - MXFP8, two ways, by BLOCK_K. A K step of one 32-group runs the fp8 MMA on the stored bytes of both operands and
-    scales its [BLOCK_M, BLOCK_N] result by sa*sw before adding it (as block128): fp8 rate, but one MMA wait per 32
-    of K (10-12% of the floor at M=4096 on the H200, bench/results/s30). Deeper K steps read the input dequantised
-    once by the host (quant.dequantize_mx: the MX values in the output dtype, exact; A_SCALE 0) and dequantise the
-    weight tile in registers (`_mx8_weights`), one 16-bit MMA per step: the same products, half the MMA rate, no
-    wait per group, and each activation decoded once instead of once per column tile. `tl.dot_scaled` (the upcast
-    in the compiler) had measured 1.0-2x slower than the first way on the H200.
+  - MXFP8: the GEMMs read their input dequantised once by the host (quant.dequantize_mx: the MX values in the
+    output dtype, exact; A_SCALE 0) and dequantise the weight tile in registers (`_mx8_weights`), one 16-bit MMA
+    per K step of any multiple of 32: the same products as an fp8 MMA per 32-group scaled by sa*sw, which ran
+    1.06-2.07x slower (one MMA wait per 32 of K; H200, both gpt-oss at M = 1..4096, bench/results/s30) and is
+    gone, as is dequantising the activations in the K loop (once per column tile: 0.61-0.97x of that). Triton's
+    e4m3 -> bf16 conversion is 2.5 SASS per value (F2FP to f16x2, F2F per value); `tl.dot_scaled` (the upcast in
+    the compiler) had measured 1.0-2x slower than the fp8 MMA per group on the H200.
 """
 
 from __future__ import annotations
@@ -113,18 +113,12 @@ def _e2m1_x2pow14(t):
 @triton.jit
 def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
                  A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
-    """Scales of one K step under block/group scaling: a group scale per row, a block/group scale per column
-    (MX: the K step is one 32-group)."""
+    """Scales of one K step under 128x128 block scaling: a 1x128 group scale per row, a block scale per column."""
     if A_SCALE == 3:
         sa = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
-    elif A_SCALE == 4:
-        sa = _e8m0(tl.load(a_scale_ptr + a_rows * stride_asm + k0 // MX_GROUP, mask=row_ok, other=0))
     else:
         sa = tl.full(a_rows.shape, 1.0, tl.float32)
-    if W_SCALE == 4:
-        sw = _e8m0(tl.load(w_scale_e + w_rows.to(tl.int64) * stride_wsn + k0 // MX_GROUP, mask=col_ok, other=0))
-    else:
-        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
+    sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
     return sa, sw
 
 
@@ -178,7 +172,7 @@ def _dot(a, w, acc, SWAP_AB: tl.constexpr):
 def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_AB: tl.constexpr):
     if UPCAST_W:
         b = b.to(a.dtype)
-    if W_SCALE >= 3:
+    if W_SCALE == 3:
         step = _dot(a, b, tl.zeros(acc.shape, tl.float32), SWAP_AB)
         if SWAP_AB:
             acc += step * sw[:, None] * sa[None, :]
@@ -345,13 +339,12 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
             b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
         else:
             b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None], other=0.0)
-        tl.static_assert(W_SCALE != 4 or A_SCALE == 0 or BLOCK_K == MX_GROUP,
-                         "MXFP8 inputs with K steps of several groups come dequantised (launch.py)")
-        if W_SCALE == 4 and A_SCALE == 0:
+        tl.static_assert(A_SCALE != 4, "MXFP8 inputs come dequantised (launch._gemm_input)")
+        if W_SCALE == 4:
             acc = _dot(a, _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, a.dtype, SWAP_AB), acc, SWAP_AB)
         else:
-            sa, sw = 1.0, 1.0  # unused unless block/group-scaled
-            if W_SCALE >= 3:
+            sa, sw = 1.0, 1.0  # unused unless block-scaled
+            if W_SCALE == 3:
                 sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok,
                                       stride_wsn, k0, A_SCALE, W_SCALE)
             acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W, SWAP_AB)

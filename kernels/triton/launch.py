@@ -19,7 +19,6 @@ from moerules.quant import Granularity
 
 from .. import fp4_fragments
 from ..activations import is_interleaved
-from ..mx import MX_GROUP
 from ..lora import LoRAWeights
 from ..scheme import Scheme
 from ..weights import MoEWeights
@@ -82,13 +81,13 @@ def fragment_tiles(cfg: MoEConfig, scheme: Scheme) -> MoEConfig:
     return replace(cfg, gemm1=tile(cfg.gemm1), gemm2=tile(cfg.gemm2))
 
 
-def _gemm_input(a: torch.Tensor, a_scale: Optional[torch.Tensor], weights: MoEWeights, g: GemmConfig,
+def _gemm_input(a: torch.Tensor, a_scale: Optional[torch.Tensor], weights: MoEWeights,
                 dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
-    """(the GEMM's input, its scale, its scheme flags). MXFP8 GEMMs whose K steps hold several 32-groups read their
-    input dequantised into dtype, once here, rather than once per column tile in their K loops (fused_moe.py)."""
+    """(the GEMM's input, its scale, its scheme flags). MXFP8 GEMMs read their input dequantised into dtype, once
+    here, rather than once per column tile in their K loops (fused_moe.py)."""
     flags = _scheme_flags(weights)
     scheme = weights.scheme
-    if scheme.is_mx and scheme.k_pack == 1 and g.BLOCK_K > MX_GROUP:
+    if scheme.is_mx and scheme.k_pack == 1:
         return dequantize_mx(a, a_scale, dtype), None, flags | dict(A_SCALE=0)
     return a, a_scale, flags
 
@@ -211,7 +210,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
-    x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, g, out.dtype)
+    x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, out.dtype)
     programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
             if _epilogue_amax(weights, out.numel()) else None)
@@ -251,7 +250,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     cfg = fragment_tiles(cfg, weights.scheme)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
-    inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, g, out.dtype)
+    inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
         weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,

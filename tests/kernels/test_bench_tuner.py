@@ -87,18 +87,3 @@ def test_mxfp4_configs_are_timed_and_recorded_as_the_gemms_run_them(tuner):
     bf16 = Scheme.from_quant(QuantConfig(family=F.unquantized))
     assert tuner.valid(cfgs, bf16) == cfgs
 
-
-@pytest.mark.parametrize("M", [16, 4096])
-def test_mxfp8_seeds_hold_both_k_loops(tuner, monkeypatch, M):
-    """gpt-oss-120b MXFP8 without a tuned file: the default dequantises both operands per 128-deep K step, and the
-    seeds add the same tiles at one 32-group per step, the fp8 MMA's K loop (fused_moe.py), both valid."""
-    model = bench_module(monkeypatch, "moe").MODELS["gpt-oss-120b"]
-    tuner.smoke, tuner.peers, tuner.device = False, None, torch.device("cpu")
-    mxfp8 = Scheme.from_quant(QuantConfig(family=F.mxfp8))
-    w = types.SimpleNamespace(scheme=mxfp8, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
-    seeds = tuner.seeds(M, model, w, "mxfp8", only_in_use=False)
-    in_use = next(c for c, name in seeds.items() if name == "in use")
-    assert (in_use.gemm1.BLOCK_K, in_use.gemm2.BLOCK_K) == (128, 128)
-    per_group = dataclasses.replace(in_use, gemm1=dataclasses.replace(in_use.gemm1, BLOCK_K=32),
-                                    gemm2=dataclasses.replace(in_use.gemm2, BLOCK_K=32))
-    assert seeds[per_group] == "fp8 MMA per 32-group"

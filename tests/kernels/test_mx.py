@@ -216,10 +216,10 @@ def test_triton_mx_expert_without_tokens_and_zero_tokens(cell, poison_empty):
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("block_k", [32, 64, 256])
 def test_triton_mxfp8_k_steps_of_several_groups(block_k, swap, poison_empty, monkeypatch):
-    """MXFP8 K steps of any whole number of 32-groups (deeper than one: dequantised inputs, the weight tile
-    dequantised in the K loop), each value with its own group's scale: K = 320 (GEMM1) and 192 (GEMM2) end in a
-    partial step at 64 and 256; each weight group's scale moved by a random power of two in 2^-3..2^3, so a scale
-    applied to the wrong group shows."""
+    """MXFP8 K steps of any whole number of 32-groups (the inputs dequantised once, the weight tile in the K loop),
+    each weight with its own group's scale: K = 320 (GEMM1) and 192 (GEMM2) end in a partial step at 64 and 256;
+    each weight group's scale moved by a random power of two in 2^-3..2^3, so a scale applied to the wrong group
+    shows."""
     run_with_config(monkeypatch, lambda cfg: MoEConfig(
         16, *(GemmConfig(BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap),) * 2))
     layer = make_layer("triton.fused_moe", MXFP8, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
@@ -447,6 +447,15 @@ def test_triton_mx_gpu(cell, dtype, poison_empty):
         x, ids, w = random_inputs(layer, M, k, device="cuda")
         bound = tol(cell) if dtype == Dtype.bf16 else (2e-3 if cell == MXFP4 else 1e-2)
         assert rel_err(layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)) < bound
+
+
+@pytest.mark.parametrize("M,block_m,k_steps", [(1, 1, (512, 512)), (4, 1, (512, 512)), (5, 16, (128, 128)),
+                                               (512, 16, (128, 128)), (513, 32, (64, 64)), (4096, 128, (64, 64))])
+def test_mxfp8_default_follows_the_rows_per_expert(M, block_m, k_steps):
+    """gpt-oss-120b (E=128, top-4) MXFP8 without a tuned file: GEMV rows up to 1/8 row per expert, then the smallest
+    MMA block that holds the mean rows; 128-deep K steps at 16-row blocks, 64-deep from 32 (the H200 tuner's)."""
+    cfg = default_config(num_tokens=M, num_experts=128, top_k=4, scheme=Scheme.from_quant(quant_of(MXFP8)))
+    assert (cfg.BLOCK_M, (cfg.gemm1.BLOCK_K, cfg.gemm2.BLOCK_K)) == (block_m, k_steps)
 
 
 @pytest.mark.parametrize("M,block_m", [(1, 1), (4, 1), (5, 16), (32, 16), (33, 16), (2048, 64)])

@@ -30,6 +30,16 @@ vllm/model_executor/layers/): the mxfp4 TRITON backend's OAITritonExperts (fused
 Ours: the layer bench/moe.py builds and times (`Bench.layer`, `triton.fused_moe` behind `local`), and its two
 GEMM launches as bench/vllm_triton.py makes them (`SideBySide.our_gemms`).
 
+--scheme mxfp8 (issue 11: "same for MXFP8"): e4m3 weights [E, N, K] and their e8m0 scales go to matmul_ogs as they
+are, transposed to [E, K, N] (K contiguous, which matmul_ogs asserts for fp8 weights below sm_100), strided (the
+Hopper swizzles are MXFP4's); it dequantises them in its K loop (`tl.dot_scaled`'s upcast on sm_90) against bf16
+activations. Our MXFP8 scheme also quantises the activations (x and the intermediate, MX per 32): triton_kernels'
+GEMM1 reads the MX values of our quantised x (so both GEMM1s compute the same products), and, for the check only,
+its GEMM2 reads our quantised intermediate (re-quantising its own would flip e4m3 roundings; as
+bench/vllm_triton.py does). Timed, its forward runs on bf16 x and its own bf16 intermediate (W8A16, what it
+runs for MXFP8 weights) while ours pays for both activation quantisations: the forward ratio is conservative
+for us.
+
 Same inputs on both sides: x, the top-k ids and the router weights rounded once to bf16 (the dtype vLLM hands
 triton_kernels, :885), the very same MXFP4 bytes. Correctness first, every point: the final [M, H] outputs and
 the GEMM1 outputs (theirs re-ordered to our slot order) as relative Frobenius errors within `moe.tolerance`
@@ -60,12 +70,13 @@ import triton
 from moe import EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance
 from moerules.activation import SwigluParams
 from moerules.kernels.scheme import Scheme
+from moerules.kernels.triton.quant import dequantize_mx
 from vllm_triton import Alignments, geomeans_by, our_gemms
 
 REPO = Path(__file__).resolve().parent.parent
 CARRIED = REPO / "carry" / "triton_kernels"
 GET_SCRIPT = "bash bench/get_triton_kernels.sh"
-SCHEME = "mxfp4"
+SCHEMES = ("mxfp4", "mxfp8")
 TK_MODELS = {"gpt-oss-120b": MODELS["gpt-oss-120b"], "gpt-oss-20b": EXTRA_MODELS["gpt-oss-20b"]}
 # What a GPU run needs from the package, module by module: the "3.6" API of vLLM's get_triton_kernels_version
 # (utils/import_utils.py:571-585: matmul_ogs present, tensor.SparseMatrix present).
@@ -154,15 +165,25 @@ def to_tk_mx(tk, packed: torch.Tensor, scale: torch.Tensor, *, layouts: tuple[tu
     return values, scales
 
 
+def to_tk_mx8(tk, values: torch.Tensor, scale: torch.Tensor) -> tuple[Any, Any]:
+    """Our e4m3 [E, N, K] and e8m0 [E, N, K/32] -> strided triton_kernels Tensors of logical shape [E, K, N] (K
+    contiguous: matmul_ogs asserts it for fp8 weights below sm_100)."""
+    return tk.wrap_torch_tensor(values.transpose(-2, -1)), tk.wrap_torch_tensor(scale.transpose(-2, -1))
+
+
 def to_tk_weights(tk, w, *, layouts: tuple[tuple, tuple]) -> TkWeights:
-    """Our MoEWeights (scheme mxfp4_w4a16) -> TkWeights, done once per model, outside the timed region."""
+    """Our MoEWeights (mxfp4_w4a16: in `layouts`; mxfp8: strided) -> TkWeights, done once per model, outside the
+    timed region."""
     def precision(scales):
         return tk.PrecisionConfig(weight_scale=scales, flex_ctx=tk.FlexCtx(rhs_data=tk.InFlexData()))
 
     def fp32(bias):
         return None if bias is None else bias.float()
-    w13, s13 = to_tk_mx(tk, w.in_checkpoint_order("w13"), w.in_checkpoint_order("w13_scale"), layouts=layouts)
-    w2, s2 = to_tk_mx(tk, w.in_checkpoint_order("w2"), w.in_checkpoint_order("w2_scale"), layouts=layouts)
+
+    def convert(name):
+        values, scale = w.in_checkpoint_order(name), w.in_checkpoint_order(f"{name}_scale")
+        return to_tk_mx(tk, values, scale, layouts=layouts) if w.scheme.k_pack == 2 else to_tk_mx8(tk, values, scale)
+    (w13, s13), (w2, s2) = convert("w13"), convert("w2")
     return TkWeights(w13=w13, w2=w2, w13_precision=precision(s13), w2_precision=precision(s2),
                      w13_bias=fp32(w.w13_bias), w2_bias=fp32(w.w2_bias))
 
@@ -248,7 +269,10 @@ class Contender:
         self.gemm2()
 
 
-def theirs(tk, moe: TkMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Contender:
+def theirs(tk, moe: TkMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
+           checked_gemm2_input: torch.Tensor | None = None) -> Contender:
+    """checked_gemm2_input: [M*k, I] in our slot order, what their GEMM2 reads for the output checked (default: their
+    own GEMM1's output, as timed)."""
     M, k = ids.shape
     # int32 ids, not vLLM's int16 (:884, for its own packing kernel, which shifts in uint32): topk packs the bitmatrix
     # with `1 << (id % 32)` in the ids' dtype (topk_details/_topk_forward.py:140-145), and int16 loses id % 32 >= 16.
@@ -264,12 +288,16 @@ def theirs(tk, moe: TkMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     forward()
     gemm1_out = torch.empty_like(inter)
     gemm1_out[routing.slot_of_row.long()] = inter
+    checked = out.clone()
+    if checked_gemm2_input is not None:
+        moe.gemm2(checked_gemm2_input[routing.slot_of_row.long()], routing, checked)
     return Contender(forward=forward, gemm1=lambda: moe.gemm1(x, routing, inter),
-                     gemm2=lambda: moe.gemm2(inter, routing, out), out=out.clone(), gemm1_out=gemm1_out)
+                     gemm2=lambda: moe.gemm2(inter, routing, out), out=checked, gemm1_out=gemm1_out)
 
 
-def ours(layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Contender:
-    """The layer call bench/moe.py times, and its GEMMs as bench/vllm_triton.py launches them (`our_gemms`)."""
+def ours(layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[Contender, tuple]:
+    """The layer call bench/moe.py times, and its GEMMs as bench/vllm_triton.py launches them (`our_gemms`); with
+    the values our GEMM1 and GEMM2 read ([M, H] and [M*k, I] in x's dtype: quantised activations dequantised)."""
     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=weights, defer_input_quant=False,
                                           a13_scale=layer.weights.a13_scale)
     x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=layer.weights)
@@ -277,7 +305,12 @@ def ours(layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Co
 
     def forward():
         return layer(x, topk_ids=ids, topk_weights=weights)
-    return Contender(forward=forward, gemm1=side.gemm1, gemm2=side.gemm2, out=forward(), gemm1_out=side.gemm1_out)
+
+    def values(q, scale):
+        return q if scale is None else dequantize_mx(q, scale, x.dtype)
+    contender = Contender(forward=forward, gemm1=side.gemm1, gemm2=side.gemm2, out=forward(),
+                          gemm1_out=side.gemm1_out)
+    return contender, (values(x_q, a_scale), values(*side.gemm2_input))
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
@@ -285,10 +318,10 @@ class TkSideBySide:
     """Every model x M: both sides checked, then timed; rows, tables and results.json under --out."""
 
     def __init__(self, args, tk):
-        self.tk, self.rounds, self.ms = tk, args.rounds, args.ms
-        self.bench = Bench(argparse.Namespace(smoke=False, models=[], out=args.out, ms=args.ms, schemes=[SCHEME]))
+        self.tk, self.rounds, self.ms, self.scheme = tk, args.rounds, args.ms, args.scheme
+        self.bench = Bench(argparse.Namespace(smoke=False, models=[], out=args.out, ms=args.ms, schemes=[args.scheme]))
         self.bench.models = {name: TK_MODELS[name] for name in args.models}
-        self.cell = Scheme.from_quant(TIMED_SCHEMES[SCHEME]).cell
+        self.cell = Scheme.from_quant(TIMED_SCHEMES[args.scheme]).cell
         # vLLM constrains matmul_ogs on sm_90 once, at weight load (mxfp4_utils.py:129-133).
         tk.update_opt_flags_constraints({"split_k": 1})
         self.bench.ceilings()  # the floor of each point (bench/moe.py), from copy and MMA rates measured now
@@ -336,10 +369,13 @@ class TkSideBySide:
         return ok
 
     def sides(self, name: str, layer, moe: TkMoE, M: int) -> tuple[Contender, Contender]:
-        """Both sides at one point, on the same inputs."""
+        """Both sides at one point, on the same inputs (MXFP8: their GEMMs read ours', doc)."""
         x, ids, weights = self.bench.inputs(name, M)
         weights = weights.to(torch.bfloat16).float()  # the same values on both sides (doc)
-        return theirs(self.tk, moe, x, ids, weights), ours(layer, x, ids, weights)
+        our_side, (x_values, inter_values) = ours(layer, x, ids, weights)
+        if self.scheme == "mxfp4":
+            return theirs(self.tk, moe, x, ids, weights), our_side
+        return theirs(self.tk, moe, x_values, ids, weights, checked_gemm2_input=inter_values), our_side
 
     def point(self, name: str, layer, moe: TkMoE, M: int) -> dict:
         try:
@@ -350,7 +386,7 @@ class TkSideBySide:
             return {"model": name, "M": M, "ok": False, "error": "out of memory"}
         finally:
             torch.cuda.empty_cache()
-        floor = self.bench.floor_us(self.bench.models[name], M, SCHEME)[0]
+        floor = self.bench.floor_us(self.bench.models[name], M, self.scheme)[0]
         return row | {"ratio": row["tk_forward_us"] / row["ours_forward_us"],
                       "gemms_ratio": row["tk_gemms_us"] / row["ours_gemms_us"], "floor_us": floor,
                       "tk_pct_floor": 100 * floor / row["tk_forward_us"],
@@ -390,7 +426,8 @@ class TkSideBySide:
         return "\n".join(lines) + "\n"
 
     def save(self):
-        results = {"device": self.bench.device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        results = {"scheme": self.scheme, "device": self.bench.device_name(), "torch": torch.__version__,
+                   "triton": triton.__version__,
                    "triton_kernels": self.tk.source, "tk_layouts": self.layouts,
                    "ceilings": self.bench.results["ceilings"],
                    "timed": "forward: routing + both GEMMs (ours: the layer call); gemms, gemm1, gemm2: alone "
@@ -423,6 +460,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder holding the triton_kernels package, or the package folder (default: %(default)s, "
                         f"filled by `{GET_SCRIPT}`)")
     p.add_argument("--models", nargs="+", default=list(TK_MODELS), choices=list(TK_MODELS))
+    p.add_argument("--scheme", default="mxfp4", choices=SCHEMES, help="the weights' MX format (default %(default)s)")
     p.add_argument("--ms", nargs="+", type=positive_int, default=MX_M_LIST, help="token counts (default %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="time each side this many times, alternating which goes first; keep each side's fastest")

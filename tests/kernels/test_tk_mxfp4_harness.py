@@ -140,8 +140,9 @@ def test_the_carried_package_is_the_one_imported(tkm, tk):
 # ---- arguments ------------------------------------------------------------------------------------------------------
 def test_defaults_are_the_two_gpt_oss_models_at_the_mx_token_counts(tkm):
     args = tkm.parse_args([])
-    assert (args.models, args.ms, args.rounds, args.tk_dir) == (["gpt-oss-120b", "gpt-oss-20b"],
-                                                                [1, 16, 64, 256, 1024, 2048, 4096], 3, tkm.CARRIED)
+    assert (args.models, args.ms, args.rounds, args.tk_dir, args.scheme) == (
+        ["gpt-oss-120b", "gpt-oss-20b"], [1, 16, 64, 256, 1024, 2048, 4096], 3, tkm.CARRIED, "mxfp4")
+    assert tkm.parse_args(["--scheme", "mxfp8"]).scheme == "mxfp8"
     oss20 = tkm.TK_MODELS["gpt-oss-20b"]
     assert (oss20.E, oss20.k, oss20.H, oss20.I, oss20.activation, oss20.bias) == \
         (32, 4, 2880, 2880, Activation.swigluoai, True)
@@ -154,6 +155,7 @@ def test_defaults_are_the_two_gpt_oss_models_at_the_mx_token_counts(tkm):
     (["--ms", "16", "-4"], "argument --ms: must be >= 1, got -4"),
     (["--ms", "x"], "argument --ms: invalid positive_int value: 'x'"),
     (["--models", "gpt-oss-7b"], "argument --models: invalid choice: 'gpt-oss-7b'"),
+    (["--scheme", "nvfp4"], "argument --scheme: invalid choice: 'nvfp4'"),
 ])
 def test_bad_arguments_are_refused_by_name(tkm, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
@@ -196,6 +198,21 @@ def test_layer_weights_convert_whole_and_in_row_order(tkm, tk, hopper):
     assert t.w13_precision.flex_ctx == tk.FlexCtx(rhs_data=tk.InFlexData())
     assert t.w13_bias.dtype == t.w2_bias.dtype == torch.float32
     assert torch.equal(t.w13_bias, w.w13_bias.float()) and torch.equal(t.w2_bias, w.w2_bias.float())
+
+
+def test_our_mxfp8_weights_reach_triton_kernels_unchanged(tkm, tk, hopper):
+    """MXFP8: strided [E, K, N] views of our very bytes (K contiguous), which triton_kernels' own torch upcast reads
+    as our dequantisation; the Hopper layouts are MXFP4's and are not used."""
+    w = make_random_weights(num_experts=3, hidden=160, intermediate=96, quant=QuantConfig(family=F.mxfp8),
+                            in_dtype=Dtype.bf16, has_bias=True, seed=0, device="cpu")
+    t = tkm.to_tk_weights(tk, w, layouts=hopper)
+    assert (t.w13.shape, t.w2.shape, t.w13.dtype) == ([3, 160, 192], [3, 96, 160], torch.float8_e4m3fn)
+    for theirs, scales, values, scale in ((t.w13, t.w13_precision.weight_scale, w.w13, w.w13_scale),
+                                          (t.w2, t.w2_precision.weight_scale, w.w2, w.w2_scale)):
+        assert theirs.stride(-2) == 1 and theirs.storage.data.data_ptr() == values.data_ptr()
+        assert scales.storage.data.data_ptr() == scale.data_ptr()
+        upcast = tk.upcast_from_mxfp_torch(theirs.storage.data, scales.storage.data, torch.float32, axis=1)
+        assert torch.equal(upcast.transpose(1, 2).double(), dequantize_mx(values, scale))
 
 
 def test_layouts_are_triton_kernels_choice_on_sm90(tkm, tk, hopper, monkeypatch):

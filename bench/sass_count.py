@@ -23,7 +23,8 @@ It times nothing: GPU time is scarce (30 minutes a session). It tells, before a 
 cuts the instructions a decode-bound kernel issues and what it costs in registers. Session 26 found that a 20%
 cut (MXFP4 GEMM1 at 16x32x64: 183 -> 146 SASS per K step) did not make the kernel faster on the H200
 (bench/results/s26): read these counts next to a timing, never instead of one.
-Schemes: bf16, mxfp4 and mxfp8 (its GEMM inputs stand in uninitialised, as the quantisers would hand them over).
+Schemes: bf16, fp8_tensor, fp8_block, mxfp4 and mxfp8 (quantised GEMM inputs stand in uninitialised, as the
+quantisers would hand them over).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ from moerules.kernels.triton import launch
 from moerules.kernels.triton.align import Alignment, max_blocks
 from moerules.kernels.triton.config import MoEConfig, get_config
 from moerules.kernels.weights import MoEWeights
+from moerules.quant import Granularity as G
 
 SM90 = GPUTarget("cuda", 90, 32)
-SCHEMES = ("bf16", "mxfp4", "mxfp8")
+SCHEMES = ("bf16", "fp8_tensor", "fp8_block", "mxfp4", "mxfp8")
 _POINTER = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
             torch.float8_e4m3fn: "fp8e4nv",
             torch.int32: "i32", torch.int64: "i64"}
@@ -97,8 +99,8 @@ class _Capture:
 
 
 def empty_weights(model, scheme_name: str) -> MoEWeights:
-    """Uninitialised weights of the model's shapes (MX scales 1, so the folded decode compiles, as for every
-    real checkpoint), MXFP4 flagged in the fragment order our Triton experts build (the bytes need no rewrite:
+    """Uninitialised weights and scales of the model's shapes (MX scales 1, so the folded decode compiles, as for
+    every real checkpoint), MXFP4 flagged in the fragment order our Triton experts build (the bytes need no rewrite:
     nothing reads them)."""
     scheme = Scheme.from_quant(TIMED_SCHEMES[scheme_name])
     E, H, I, pack = model.E, model.H, model.I, scheme.k_pack
@@ -107,6 +109,11 @@ def empty_weights(model, scheme_name: str) -> MoEWeights:
     if scheme.is_mx:
         w.update(w13_scale=torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8),
                  w2_scale=torch.full((E, H, I // 32), 127, dtype=torch.uint8))
+    elif scheme.weight_granularity is not None:
+        def scale(n, k):
+            return {G.tensor: (E,), G.channel: (E, n), G.block128: (E, -(-n // 128), -(-k // 128))}[
+                scheme.weight_granularity]
+        w.update(w13_scale=torch.empty(scale(2 * I, H)), w2_scale=torch.empty(scale(H, I)))
     if model.bias:
         w.update(w13_bias=torch.empty(E, 2 * I, dtype=torch.bfloat16), w2_bias=torch.empty(E, H, dtype=torch.bfloat16))
     pairs = model.activation.gated and is_interleaved(model.activation)
@@ -118,8 +125,11 @@ def _gemm_input(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Te
     """(a GEMM input, its scale) as the scheme's quantiser would hand them over, uninitialised (nothing runs)."""
     if scheme.act_torch_dtype is None:
         return x, None
-    return (torch.empty(x.shape, dtype=scheme.act_torch_dtype),
-            torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.uint8))
+    T, K = x.shape
+    scale = {G.tensor: lambda: torch.empty(1), G.token: lambda: torch.empty(T),
+             G.group128: lambda: torch.empty(T, K // 128),
+             G.group32: lambda: torch.empty(T, K // 32, dtype=torch.uint8)}[scheme.act_granularity]()
+    return torch.empty(x.shape, dtype=scheme.act_torch_dtype), scale
 
 
 def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> list[Launch]:

@@ -435,7 +435,7 @@ class TkSideBySide:
                    "rows": self.rows, "geomean_tk_over_ours": self.geomeans("ratio"),
                    "geomean_tk_over_ours_gemms": self.geomeans("gemms_ratio")}
         (self.bench.out / "results.json").write_text(json.dumps(results, indent=1))
-        (self.bench.out / "tk_mxfp4.md").write_text(self.table())
+        (self.bench.out / f"tk_{self.scheme}.md").write_text(self.table())
 
 
 def row_line(r: dict) -> str:

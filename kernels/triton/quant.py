@@ -17,6 +17,9 @@ M=4096 on the H100: bench/results/quant).
 Per token: one program per row, the amax and the quantisation as two loops over the row (the second
 read hits L1/L2).
 
+MX activations also go back to their values (`dequantize_mx`, exact in bf16): the MXFP8 GEMMs read their inputs
+dequantised once rather than once per column tile (fused_moe.py).
+
 GEMM2's input (GEMM1's output) needs no amax pass: GEMM1's programs each write the finite amax of the tile they
 store (fused_moe.gemm1_gated_kernel, AMAX), `scale_of_partials` reduces those in one small program, and the
 quantise pass runs on that scale as on a static one: one read of the intermediate instead of two. Below

@@ -126,9 +126,9 @@ def _gemm_input(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Te
     if scheme.act_torch_dtype is None:
         return x, None
     T, K = x.shape
-    scale = {G.tensor: lambda: torch.empty(1), G.token: lambda: torch.empty(T),
-             G.group128: lambda: torch.empty(T, K // 128),
-             G.group32: lambda: torch.empty(T, K // 32, dtype=torch.uint8)}[scheme.act_granularity]()
+    granularity = scheme.act_granularity
+    shape = {G.tensor: (1,), G.token: (T,), G.group128: (T, K // 128), G.group32: (T, K // 32)}[granularity]
+    scale = torch.empty(shape, dtype=torch.uint8 if granularity == G.group32 else torch.float32)
     return torch.empty(x.shape, dtype=scheme.act_torch_dtype), scale
 
 

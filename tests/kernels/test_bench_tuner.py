@@ -86,4 +86,3 @@ def test_mxfp4_configs_are_timed_and_recorded_as_the_gemms_run_them(tuner):
     assert tuner.valid(cfgs, MXFP4) == [MoEConfig(1, runs_as, runs_as)]
     bf16 = Scheme.from_quant(QuantConfig(family=F.unquantized))
     assert tuner.valid(cfgs, bf16) == cfgs
-

@@ -142,8 +142,9 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
         return Alignment(sorted_ids=torch.empty(blocks * block_m, **i32), expert_ids=torch.empty(blocks, **i32),
                          num_post_padded=torch.empty(1, **i32), block_m=block_m)
 
-    saved = launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel, launch.dequantize_mx
-    launch.moe_align = alignment
+    saved = (launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel, launch.dequantize_mx,
+             launch.topk_sum)
+    launch.moe_align, launch.topk_sum = alignment, lambda slots, top_k, **_: slots[::top_k]
     launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel = _Capture(saved[1], launches), _Capture(saved[2], launches)
     launch.dequantize_mx = lambda q, scale, dtype: torch.empty(q.shape, dtype=dtype)
     x, a_scale = _gemm_input(torch.empty(M, model.H, dtype=torch.bfloat16), weights.scheme)
@@ -153,7 +154,8 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
                          quantize_intermediate=lambda t, _: _gemm_input(t, weights.scheme),
                          out_dtype=torch.bfloat16, config=config, swiglu=SwigluParams())
     finally:
-        launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel, launch.dequantize_mx = saved
+        (launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel, launch.dequantize_mx,
+         launch.topk_sum) = saved
     return launches
 
 

@@ -11,7 +11,9 @@ Ids outside [0, E) are dropped rather than indexed with: their slots get no row,
 contribution is unspecified but no memory outside the buffers is touched. The host-side
 check in `routing.validate_topk` reports them wherever a sync is allowed.
 
-Tiny batches (4*T <= E, as in vLLM's naive assignment) skip sorting: each slot gets a block.
+Tiny batches (4*T <= E, as in vLLM's naive assignment, fused_moe.py:1570-1579) skip sorting and launch nothing:
+block b is slot b alone and its expert is topk_ids[b], which the GEMMs read themselves (`Alignment.naive`). The
+naive-assignment kernel this replaced took 1.0-1.9 us of each decode forward on the H200 (bench/results/s31).
 Small ones (T <= _ONE_PROGRAM_SLOTS) are aligned by one program in one launch; larger ones take a zeroing
 memset and four grid-wide launches (count, run offsets, block experts, scatter). At decode sizes every
 launch costs about as much as its work: Qwen3-30B-A3B at M=16 went from 16 to 12 launches per FP8 forward
@@ -21,10 +23,13 @@ and ran 1.03x faster on the H100 (bench/results/decode_align).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import dependent_launch_entry, pdl_kwargs
 
 # Blocks whose expert ids one program writes; each compares them against all E run ends.
 _BLOCKS_PER_PROGRAM = 64
@@ -36,14 +41,27 @@ _ONE_PROGRAM_EXPERTS = 1024
 
 @dataclass
 class Alignment:
-    sorted_ids: torch.Tensor
+    """sorted_ids and num_post_padded are None under the naive assignment; expert_ids is then the flattened top-k
+    ids, one block per slot (ids outside [0, E) give their block no row)."""
+    sorted_ids: Optional[torch.Tensor]
     expert_ids: torch.Tensor
-    num_post_padded: torch.Tensor
+    num_post_padded: Optional[torch.Tensor]
     block_m: int
 
     @property
     def num_blocks(self) -> int:
         return self.expert_ids.shape[0]
+
+    @property
+    def naive(self) -> bool:
+        return self.sorted_ids is None
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sorted_ids, expert_ids, num_post_padded) as the kernels take them: under the naive assignment, which
+        reads neither, expert_ids stands in for the other two."""
+        if self.naive:
+            return self.expert_ids, self.expert_ids, self.expert_ids
+        return self.sorted_ids, self.expert_ids, self.num_post_padded
 
 
 @triton.jit
@@ -55,14 +73,16 @@ def _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(topk_ids_ptr, counts_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
+def _count_kernel(topk_ids_ptr, counts_ptr, num_slots, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch_entry(PDL)
     _, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK)
     tl.atomic_add(counts_ptr + e, 1, mask=valid)
 
 
 @triton.jit
 def _run_offsets_kernel(counts_ptr, cursor_ptr, block_ends_ptr, num_post_ptr, num_experts,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch_entry(PDL)
     e = tl.arange(0, BLOCK_E)
     mask = e < num_experts
     padded = tl.cdiv(tl.load(counts_ptr + e, mask=mask, other=0), BLOCK_M) * BLOCK_M
@@ -84,8 +104,9 @@ def _block_experts(block_ends, b, expert_ids_ptr, sorted_ids_ptr, num_blocks, se
 @triton.jit
 def _one_program_align_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_slots,
                               num_experts, num_blocks, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr):
+                              BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """The whole alignment of up to BLOCK_T slots: histogram, run offsets, block experts, then the scatter."""
+    dependent_launch_entry(PDL)
     slot, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK_T)
     padded = tl.cdiv(tl.histogram(e, BLOCK_E, mask=valid), BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
@@ -102,7 +123,8 @@ def _one_program_align_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, expert_i
 
 @triton.jit
 def _block_experts_kernel(block_ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_blocks, num_experts, sentinel,
-                          BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    dependent_launch_entry(PDL)
     e = tl.arange(0, BLOCK_E)
     ends = tl.load(block_ends_ptr + e, mask=e < num_experts, other=2147483647)
     _block_experts(ends, tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS), expert_ids_ptr, sorted_ids_ptr,
@@ -110,23 +132,12 @@ def _block_experts_kernel(block_ends_ptr, expert_ids_ptr, sorted_ids_ptr, num_bl
 
 
 @triton.jit
-def _scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, num_slots, num_experts, BLOCK: tl.constexpr):
+def _scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, num_slots, num_experts, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    dependent_launch_entry(PDL)
     slot, e, valid = _load_ids(topk_ids_ptr, num_slots, num_experts, BLOCK)
     pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
     tl.store(sorted_ids_ptr + pos, slot, mask=valid)
-
-
-@triton.jit
-def _naive_assign_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_slots, num_experts,
-                         BLOCK_M: tl.constexpr):
-    slot = tl.program_id(0)
-    e = tl.load(topk_ids_ptr + slot)
-    valid = (e >= 0) & (e < num_experts)
-    r = tl.arange(0, BLOCK_M)
-    tl.store(sorted_ids_ptr + slot * BLOCK_M + r, tl.where((r == 0) & valid, slot, num_slots))
-    tl.store(expert_ids_ptr + slot, tl.where(valid, e, 0))
-    if slot == 0:
-        tl.store(num_post_ptr, num_slots * BLOCK_M)
 
 
 def use_naive_assignment(num_slots: int, num_experts: int) -> bool:
@@ -143,30 +154,32 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
 def moe_align(topk_ids: torch.Tensor, *, num_experts: int, block_m: int) -> Alignment:
     ids = topk_ids.reshape(-1)
     T, dev = ids.numel(), ids.device
+    if T and use_naive_assignment(T, num_experts):
+        return Alignment(sorted_ids=None, expert_ids=ids.contiguous(), num_post_padded=None, block_m=block_m)
     nb = max_blocks(T, num_experts, block_m)
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    pdl = pdl_kwargs(dev)
     if T == 0:
         num_post.zero_()
-    elif use_naive_assignment(T, num_experts):
-        _naive_assign_kernel[(T,)](ids, sorted_ids, expert_ids, num_post, T, num_experts, BLOCK_M=block_m)
     elif T <= _ONE_PROGRAM_SLOTS and num_experts <= _ONE_PROGRAM_EXPERTS:
         block_e = triton.next_power_of_2(num_experts)
         cursor = torch.empty(block_e, dtype=torch.int32, device=dev)
         _one_program_align_kernel[(1,)](ids, cursor, sorted_ids, expert_ids, num_post, T, num_experts, nb,
                                         BLOCK_M=block_m, BLOCK_T=max(16, triton.next_power_of_2(T)),
-                                        BLOCK_E=block_e, BLOCKS=_BLOCKS_PER_PROGRAM)
+                                        BLOCK_E=block_e, BLOCKS=_BLOCKS_PER_PROGRAM, **pdl)
     else:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
         cursor = torch.empty_like(counts)
         block_ends = torch.empty_like(counts)
         block_e = triton.next_power_of_2(num_experts)
         slot_grid = (triton.cdiv(T, _SLOTS_PER_PROGRAM),)
-        _count_kernel[slot_grid](ids, counts, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM)
-        _run_offsets_kernel[(1,)](counts, cursor, block_ends, num_post, num_experts, BLOCK_M=block_m, BLOCK_E=block_e)
+        _count_kernel[slot_grid](ids, counts, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM, **pdl)
+        _run_offsets_kernel[(1,)](counts, cursor, block_ends, num_post, num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
+                                  **pdl)
         _block_experts_kernel[(triton.cdiv(nb, _BLOCKS_PER_PROGRAM),)](
             block_ends, expert_ids, sorted_ids, nb, num_experts, T,
-            BLOCK_M=block_m, BLOCKS=_BLOCKS_PER_PROGRAM, BLOCK_E=block_e)
-        _scatter_kernel[slot_grid](ids, cursor, sorted_ids, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM)
+            BLOCK_M=block_m, BLOCKS=_BLOCKS_PER_PROGRAM, BLOCK_E=block_e, **pdl)
+        _scatter_kernel[slot_grid](ids, cursor, sorted_ids, T, num_experts, BLOCK=_SLOTS_PER_PROGRAM, **pdl)
     return Alignment(sorted_ids=sorted_ids, expert_ids=expert_ids, num_post_padded=num_post, block_m=block_m)

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .. import mx, scheme
+from .pdl import dependent_launch_entry
 from .quant import _e8m0, _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
@@ -80,10 +81,34 @@ def _tile_coords(num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
-    """Slot index of each row of the block, and which rows are real (not padding)."""
-    slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    return slot, slot < num_slots
+def _past_end(num_post_ptr, pid_m, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
+    """Whether block pid_m lies past the aligned rows (never under the naive assignment: each block is a slot)."""
+    if NAIVE:
+        past = False
+    else:
+        past = pid_m * BLOCK_M >= tl.load(num_post_ptr)
+    return past
+
+
+@triton.jit
+def _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M: tl.constexpr,
+                NAIVE: tl.constexpr):
+    """(slot of each row of block pid_m, which rows are real (not padding), the block's expert).
+
+    NAIVE (align.py): block pid_m is slot pid_m alone, in its row 0, and expert_ids_ptr the flattened top-k ids; an
+    id outside [0, E) (-1: an expert of another rank) leaves the block no real row and reads expert 0's weights.
+    """
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if NAIVE:
+        r = tl.arange(0, BLOCK_M)
+        routed = (e >= 0) & (e < num_experts)
+        slot = tl.where(r == 0, pid_m, num_slots).to(tl.int64)
+        row_ok = (r == 0) & routed
+        e = tl.where(routed, e, 0)
+    else:
+        slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = slot < num_slots
+    return slot, row_ok, e
 
 
 @triton.jit
@@ -411,19 +436,18 @@ def _lora_delta(shrink_ptr, stride_sm, slot, row_ok, lora_b_e, w_rows, col_ok, s
 @triton.jit
 def lora_shrink_kernel(
         a_ptr, lora_a_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, K, rank, slots_per_row, scaling,
+        num_slots, num_experts, K, rank, slots_per_row, scaling,
         stride_am, stride_lae, stride_lar, stride_om,
-        LORA_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        LORA_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NAIVE: tl.constexpr):
     """out[slot, r] = scaling * a[slot // slots_per_row] . A[e, r] over one sorted block; 0 for r >= rank.
 
     slots_per_row is top_k for GEMM1 (a = the token rows) and 1 for GEMM2 (a = the slot rows).
     """
     pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         return
-    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // slots_per_row
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     rs = tl.arange(0, LORA_R)
     r_ok = rs < rank
     la_e = lora_a_ptr + e * stride_lae
@@ -456,28 +480,28 @@ def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
+        num_slots, num_experts, num_m_blocks, N, K, top_k, gate_row_step, up_row_offset,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha, amax_ptr, AMAX: tl.constexpr):
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
     dynamic per-tensor scale (quant.scale_of_partials).
     """
+    dependent_launch_entry(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         if AMAX:
             tl.store(amax_ptr + tl.program_id(0), 0.0)
         return
-    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
+    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // top_k
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     gate_rows = cols * gate_row_step
@@ -543,19 +567,19 @@ def gemm1_gated_kernel(
 def gemm2_weighted_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-        num_slots, num_m_blocks, N, K,
+        num_slots, num_experts, num_m_blocks, N, K,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr):
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
+    dependent_launch_entry(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         return
-    slot, row_ok = _block_rows(sorted_ids_ptr, pid_m, num_slots, BLOCK_M)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = _real_rows(cols, col_ok)

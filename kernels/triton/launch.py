@@ -27,7 +27,9 @@ from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
+from .pdl import pdl_kwargs
 from .quant import dequantize_mx, needs_amax_pass
+from .topk_sum import topk_sum
 
 G = Granularity
 _A_SCALE = {None: 0, G.tensor: 1, G.token: 2, G.group128: 3, G.group32: 4}
@@ -112,10 +114,10 @@ def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots
     """[num_slots, rank_pad] = scaling * a[slot // slots_per_row] . lora_a[expert of slot]^T, in a's dtype."""
     out = torch.empty(num_slots, rank_pad, dtype=a.dtype, device=a.device)
     lora_shrink_kernel[(align.num_blocks,)](
-        a, lora_a, out, align.sorted_ids, align.expert_ids, align.num_post_padded,
-        num_slots, a.shape[1], lora_a.shape[1], slots_per_row, scaling,
+        a, lora_a, out, *align.kernel_args(),
+        num_slots, lora_a.shape[0], a.shape[1], lora_a.shape[1], slots_per_row, scaling,
         a.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        LORA_R=rank_pad, BLOCK_M=align.block_m, BLOCK_K=_SHRINK_BLOCK_K)
+        LORA_R=rank_pad, BLOCK_M=align.block_m, BLOCK_K=_SHRINK_BLOCK_K, NAIVE=align.naive)
     return out
 
 
@@ -182,7 +184,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
     gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
           lora=lora2)
-    return out.view(T, k, H).sum(dim=1) if k > 1 else out
+    return topk_sum(out, k) if k > 1 else out
 
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
@@ -217,15 +219,15 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     gemm1_gated_kernel[(programs,)](
         x_q, a_scale if a_scale is not None else dummy, weights.w13,
         weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
-        align.sorted_ids, align.expert_ids, align.num_post_padded,
-        out.shape[0], align.num_blocks, I, H, top_k, 2 if interleaved else 1, 1 if interleaved else I,
+        *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, I, H, top_k,
+        2 if interleaved else 1, 1 if interleaved else I,
         x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
         weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
         **flags, **_launch_kwargs(g), GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
-        AMAX=amax is not None)
+        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device))
     return amax
 
 
@@ -254,9 +256,8 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
         weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
-        align.sorted_ids, align.expert_ids, align.num_post_padded,
-        out.shape[0], align.num_blocks, H, I,
+        *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
-        **(lora or _no_lora(dummy)))
+        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device))

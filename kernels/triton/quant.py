@@ -40,6 +40,7 @@ from ..mx import E4M3_EMAX, E8M0_BIAS, E8M0_MAX, E8M0_MIN, MX_GROUP
 from ..qrange import MIN_SCALE, qmax
 from ..scheme import QUANT_BLOCK
 from .device import sm_count
+from .pdl import dependent_launch_entry, pdl_kwargs
 
 G = Granularity
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # NaN and Inf compare False against it
@@ -77,8 +78,9 @@ def _saturate(x, scale, q_max, TO_INT8: tl.constexpr):
 
 
 @triton.jit
-def _tensor_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+def _tensor_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """partial[p] = the finite amax of the BLOCK-wide chunks p, p + P, p + 2P, ... of x (P programs)."""
+    dependent_launch_entry(PDL)
     pid = tl.program_id(0)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
@@ -89,12 +91,14 @@ def _tensor_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _tensor_quant_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, n, num_partials, q_max, min_scale,
-                         STATIC: tl.constexpr, PARTIALS: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
+                         STATIC: tl.constexpr, PARTIALS: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """q = saturate(x / scale) over a grid-stride loop; a non-finite x gives NaN (fp8).
 
     The scale: loaded (STATIC); else the amax of the num_partials partials (PARTIALS, a power of two, covers
     them); else (PARTIALS == 0) the amax of x itself, which this single program holds in one BLOCK tile.
     """
+    dependent_launch_entry(PDL)
     pid = tl.program_id(0)
     if STATIC:
         scale = tl.load(scale_ptr)
@@ -120,8 +124,9 @@ def _tensor_quant_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, n, num_partials, 
 
 @triton.jit
 def _token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, q_max, min_scale,
-                        TO_INT8: tl.constexpr, BLOCK: tl.constexpr):
+                        TO_INT8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row per program: scale = amax(row) / q_max, then q = saturate(row / scale)."""
+    dependent_launch_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -155,8 +160,9 @@ def _e8m0(s):
 
 @triton.jit
 def _mx_dequant_kernel(q_ptr, scale_ptr, out_ptr, K, stride_qm, stride_sm, stride_om, GROUPS: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       GROUP: tl.constexpr, PDL: tl.constexpr):
     """GROUPS consecutive MX groups of one row: each element times its group's e8m0 scale, in out's dtype."""
+    dependent_launch_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -169,11 +175,13 @@ def _mx_dequant_kernel(q_ptr, scale_ptr, out_ptr, K, stride_qm, stride_sm, strid
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, q_max, min_scale,
                         MX: tl.constexpr, TO_INT8: tl.constexpr, EMAX: tl.constexpr, BIAS: tl.constexpr,
-                        S_MIN: tl.constexpr, S_MAX: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+                        S_MIN: tl.constexpr, S_MAX: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                        PDL: tl.constexpr):
     """GROUPS consecutive groups of GROUP elements of one row: a scale per group, then the elements.
 
     MX: e8m0 (uint8) power-of-two scales (mx.py's rule); else fp32 scales amax / q_max.
     """
+    dependent_launch_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -192,8 +200,9 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
 
 
 @triton.jit
-def _partials_scale_kernel(partial_ptr, scale_ptr, n, q_max, min_scale, BLOCK: tl.constexpr):
+def _partials_scale_kernel(partial_ptr, scale_ptr, n, q_max, min_scale, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """The dynamic scale of max(partial), in one program (the partials are already finite amaxes)."""
+    dependent_launch_entry(PDL)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -209,7 +218,8 @@ def needs_amax_pass(numel: int) -> bool:
 def scale_of_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The dynamic per-tensor scale [1] (fp32) to `dtype` of a tensor whose finite amax is max(partials)."""
     scale = torch.empty(1, dtype=torch.float32, device=partials.device)
-    _partials_scale_kernel[(1,)](partials, scale, partials.numel(), qmax(dtype), MIN_SCALE, BLOCK=_PARTIALS_BLOCK)
+    _partials_scale_kernel[(1,)](partials, scale, partials.numel(), qmax(dtype), MIN_SCALE, BLOCK=_PARTIALS_BLOCK,
+                                 **pdl_kwargs(partials.device))
     return scale
 
 
@@ -223,12 +233,12 @@ def _quantize_tensor(x: torch.Tensor, q: torch.Tensor, static_scale: Optional[to
         scale = static_scale.float().reshape(1).contiguous()
     elif not single:
         partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-        _tensor_amax_kernel[(programs,)](x, partials, n, BLOCK=block)
+        _tensor_amax_kernel[(programs,)](x, partials, n, BLOCK=block, **pdl_kwargs(x.device))
         num_partials = programs
     _tensor_quant_kernel[(programs,)](
         x, q, scale, partials, n, num_partials, qmax(q.dtype), MIN_SCALE, STATIC=static_scale is not None,
         PARTIALS=triton.next_power_of_2(num_partials) if num_partials else 0, TO_INT8=q.dtype == torch.int8,
-        BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+        BLOCK=block, num_warps=max(4, min(16, block // 1024)), **pdl_kwargs(x.device))
     return scale
 
 
@@ -236,7 +246,8 @@ def _quantize_tokens(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
     scale = torch.empty(T, dtype=torch.float32, device=x.device)
     _token_quant_kernel[(T,)](x, q, scale, K, x.stride(0), q.stride(0), qmax(q.dtype), MIN_SCALE,
-                              TO_INT8=q.dtype == torch.int8, BLOCK=min(1024, triton.next_power_of_2(K)))
+                              TO_INT8=q.dtype == torch.int8, BLOCK=min(1024, triton.next_power_of_2(K)),
+                              **pdl_kwargs(x.device))
     return scale
 
 
@@ -249,7 +260,7 @@ def _quantize_groups(x: torch.Tensor, q: torch.Tensor, group: int) -> torch.Tens
     _group_quant_kernel[(T, triton.cdiv(groups, per_program))](
         x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), qmax(q.dtype), MIN_SCALE, MX=mx,
         TO_INT8=q.dtype == torch.int8, EMAX=E4M3_EMAX, BIAS=E8M0_BIAS, S_MIN=E8M0_MIN, S_MAX=E8M0_MAX,
-        GROUPS=per_program, GROUP=group)
+        GROUPS=per_program, GROUP=group, **pdl_kwargs(x.device))
     return scale
 
 
@@ -261,7 +272,8 @@ def dequantize_mx(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     groups = triton.cdiv(K, MX_GROUP)
     per_program = min(_GROUPS_PER_PROGRAM[MX_GROUP], triton.next_power_of_2(groups))
     _mx_dequant_kernel[(T, triton.cdiv(groups, per_program))](
-        q, scale, out, K, q.stride(0), scale.stride(0), out.stride(0), GROUPS=per_program, GROUP=MX_GROUP)
+        q, scale, out, K, q.stride(0), scale.stride(0), out.stride(0), GROUPS=per_program, GROUP=MX_GROUP,
+        **pdl_kwargs(q.device))
     return out
 
 

@@ -128,10 +128,11 @@ GROUPED_DTYPE = Dtype.bf16 if GPU else Dtype.fp32
     ("triton.fused_moe", "unquantized", TRITON_DTYPE),
     ("triton.fused_moe", "fp8_w8a8/channel/token", TRITON_DTYPE),
 ])
-def test_experts_give_remote_slots_zero(kernel, cell, dtype, monkeypatch):
+@pytest.mark.parametrize("T,E", [(9, 4), (2, 64)])  # sorted blocks; the naive assignment (4*T*k <= E, align.py)
+def test_experts_give_remote_slots_zero(kernel, cell, dtype, T, E, monkeypatch):
     if kernel == "triton.fused_moe":
         _poison_triton_empty(monkeypatch)
-    E, H, I = 4, 64, 32
+    H, I = 64, 32
     device = "cpu" if kernel == "torch.reference" else DEVICE
     w = make_random_weights(num_experts=E, hidden=H, intermediate=I, quant=quant_for_cell(cell), in_dtype=dtype,
                             has_bias=True, seed=0, device=device)
@@ -139,9 +140,9 @@ def test_experts_give_remote_slots_zero(kernel, cell, dtype, monkeypatch):
                                            activation=Activation.silu, in_dtype=dtype, activation_format=STANDARD,
                                            weights=w, device=device))
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(9, H, generator=g).to(TORCH_DTYPE[dtype]).to(device)
-    ids, tw = fused_topk(torch.randn(9, E, generator=g), top_k=2, renormalize=True)
-    remote = torch.rand(9, 2, generator=g) < 0.4
+    x = torch.randn(T, H, generator=g).to(TORCH_DTYPE[dtype]).to(device)
+    ids, tw = fused_topk(torch.randn(T, E, generator=g), top_k=2, renormalize=True)
+    remote = torch.rand(T, 2, generator=g) < 0.4
     ids, tw, remote = ids.to(device), tw.to(device), remote.to(device)
     remote[0] = True                                       # a token with no local expert at all
     ids_with_remote = torch.where(remote, -1, ids)

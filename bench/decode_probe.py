@@ -1,0 +1,76 @@
+"""Probe: where a decode forward's time goes. Per point: the whole forward (graph replay, do_bench median) and, from
+one profiled replay, each GPU kernel's duration and the span from the first kernel's start to the last one's end.
+
+    python bench/decode_probe.py --out DIR [--models ..] [--schemes ..] [--ms ..]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import TIMED_SCHEMES, Bench  # noqa: E402
+
+from moerules.kernels.scheme import Scheme  # noqa: E402
+
+
+def kernel_trace(fn) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of each GPU kernel one call of fn runs (fn replays a graph)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sorted((e.name[:60], e.time_range.start, e.time_range.end - e.time_range.start) for e in events)
+
+
+def graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b", "deepseek-v3"])
+    p.add_argument("--schemes", nargs="+", default=["bf16", "fp8_tensor"])
+    p.add_argument("--ms", nargs="+", type=int, default=[1, 16])
+    args = p.parse_args(argv)
+    b = Bench(argparse.Namespace(smoke=False, models=args.models, out=args.out, ms=args.ms, schemes=args.schemes))
+    rows = []
+    for name in args.models:
+        for sname in [s for s in b.timed_schemes(name) if s in args.schemes]:
+            layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
+            for M in args.ms:
+                x, ids, tw = b.inputs(name, M)
+                fn = lambda: layer(x, topk_ids=ids, topk_weights=tw)  # noqa: E731
+                forward = b.time_us(fn, graph=True)
+                g = graph_of(fn)
+                trace = kernel_trace(g.replay)
+                span = trace[-1][1] + trace[-1][2] - trace[0][1] if trace else 0.0
+                row = {"model": name, "scheme": sname, "M": M, "forward_us": forward, "span_us": span,
+                       "kernels_us": sum(t[2] for t in trace), "kernels": [(n, round(d, 2)) for n, _, d in trace]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                Path(args.out, "decode_probe.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (kernels/triton/pdl.py): a kernel launched before the one ahead of it has finished
+must not touch memory until that one has, so every kernel taking PDL starts with `dependent_launch_entry(PDL)`."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+
+from moerules.kernels.triton import align, fused_moe, pdl, quant, topk_sum
+
+
+def _kernels_taking_pdl():
+    for module in (align, fused_moe, quant, topk_sum):
+        tree = ast.parse(inspect.getsource(module))
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args]:
+                yield f"{module.__name__}.{fn.name}", fn
+
+
+KERNELS = dict(_kernels_taking_pdl())
+
+
+def test_the_forward_kernels_launch_dependently():
+    assert {name.rsplit(".", 1)[1] for name in KERNELS} == {
+        "_count_kernel", "_run_offsets_kernel", "_one_program_align_kernel", "_block_experts_kernel",
+        "_scatter_kernel", "gemm1_gated_kernel", "gemm2_weighted_kernel", "_tensor_amax_kernel",
+        "_tensor_quant_kernel", "_token_quant_kernel", "_mx_dequant_kernel", "_group_quant_kernel",
+        "_partials_scale_kernel", "_topk_sum_kernel"}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_waits_before_anything_else(name):
+    body = KERNELS[name].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
+        body = body[1:]
+    assert ast.unparse(body[0]) == "dependent_launch_entry(PDL)", name
+
+
+def test_off_the_gpu_kernels_launch_plainly():
+    assert pdl.pdl_kwargs(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .. import mx, scheme
-from .pdl import dependent_launch_entry
+from .pdl import let_next_kernel_launch, wait_for_previous_kernel
 from .quant import _e8m0, _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
@@ -494,7 +494,7 @@ def gemm1_gated_kernel(
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
     dynamic per-tensor scale (quant.scale_of_partials).
     """
-    dependent_launch_entry(PDL)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         if AMAX:
@@ -533,6 +533,7 @@ def gemm1_gated_kernel(
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
                       BLOCK_K, SWAP_AB)
+    let_next_kernel_launch(PDL)
     acc = _acc_rows_first(acc, SWAP_AB)
     if GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -575,7 +576,7 @@ def gemm2_weighted_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
-    dependent_launch_entry(PDL)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         return
@@ -597,6 +598,7 @@ def gemm2_weighted_kernel(
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                       BLOCK_K, SWAP_AB)
+    let_next_kernel_launch(PDL)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

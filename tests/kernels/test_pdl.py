@@ -1,5 +1,5 @@
 """Programmatic dependent launch (kernels/triton/pdl.py): a kernel launched before the one ahead of it has finished
-must not touch memory until that one has, so every kernel taking PDL starts with `dependent_launch_entry(PDL)`."""
+must not touch memory until that one has, so every kernel taking PDL starts by waiting for it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ def test_kernel_waits_before_anything_else(name):
     body = KERNELS[name].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
         body = body[1:]
-    assert ast.unparse(body[0]) == "dependent_launch_entry(PDL)", name
+    first = ast.unparse(body[0])
+    assert first in ("dependent_launch_entry(PDL)", "wait_for_previous_kernel(PDL)"), name
+    if first == "wait_for_previous_kernel(PDL)":  # the GEMMs free the next launch right after their K loop
+        lets = [i for i, node in enumerate(body) if ast.unparse(node) == "let_next_kernel_launch(PDL)"]
+        assert len(lets) == 1 and isinstance(body[lets[0] - 1], ast.For), name
 
 
 def test_off_the_gpu_kernels_launch_plainly():

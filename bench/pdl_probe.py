@@ -1,6 +1,5 @@
-"""Probe: the whole forward with and without dependent launches (kernels/triton/pdl.py), with torch's top-k sum
-instead of ours (kernels/triton/topk_sum.py) and with the quantiser launched before GEMM2 rather than GEMM2
-quantising its input (launch.gemm2_quantizes_input), timed alternately in one process; and the top-k sum alone.
+"""Probe: the whole forward with and without dependent launches (kernels/triton/pdl.py) and with torch's top-k sum
+instead of ours (kernels/triton/topk_sum.py), timed alternately in one process; and the top-k sum alone.
 
     python bench/pdl_probe.py --out DIR --points qwen3-30b-a3b:bf16:4096 gpt-oss-20b:mxfp4:16 [--rounds 3]
 """
@@ -26,22 +25,19 @@ _PDL_USERS = (align, launch, quant, topk_sum)
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Within: 'ours' as built; 'no_pdl' every kernel launched plainly; 'torch_sum' torch's sum over the top-k;
-    'quantiser' the intermediate quantised by its own launch."""
-    saved = [m.pdl_kwargs for m in _PDL_USERS] + [launch.topk_sum, launch._GEMM2_QUANT_SLOTS]
+    """Within: 'ours' as built; 'no_pdl' every kernel launched plainly; 'torch_sum' torch's sum over the top-k."""
+    saved = [m.pdl_kwargs for m in _PDL_USERS] + [launch.topk_sum]
     if name == "no_pdl":
         for m in _PDL_USERS:
             m.pdl_kwargs = lambda device: dict(PDL=False, launch_pdl=False)
     if name == "torch_sum":
         launch.topk_sum = lambda slots, k: slots.view(-1, k, slots.shape[1]).sum(dim=1)
-    if name == "quantiser":
-        launch._GEMM2_QUANT_SLOTS = 0
     try:
         yield
     finally:
         for m, f in zip(_PDL_USERS, saved):
             m.pdl_kwargs = f
-        launch.topk_sum, launch._GEMM2_QUANT_SLOTS = saved[-2:]
+        launch.topk_sum = saved[-1]
 
 
 def main(argv=None) -> int:
@@ -63,7 +59,7 @@ def main(argv=None) -> int:
                 with variant(v):
                     return layer(x, topk_ids=ids, topk_weights=tw)
             return run
-        sides = {v: {"": forward(v)} for v in ("ours", "no_pdl", "torch_sum", "quantiser")}
+        sides = {v: {"": forward(v)} for v in ("ours", "no_pdl", "torch_sum")}
         slots = torch.randn(int(M) * ids.shape[1], layer.hidden_size, device="cuda", dtype=torch.bfloat16)
         k = ids.shape[1]
         sides["sum_ours"] = {"": lambda: topk_sum.topk_sum(slots, k)}

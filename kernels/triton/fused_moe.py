@@ -58,7 +58,7 @@ import triton.language as tl
 
 from .. import mx, scheme
 from .pdl import let_next_kernel_launch, wait_for_previous_kernel
-from .quant import _e8m0, _finite_abs, quantized_per_tensor, tensor_dynamic_scale
+from .quant import _e8m0, _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
@@ -574,16 +574,8 @@ def gemm2_weighted_kernel(
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        a_partials_ptr, num_a_partials, q_max, min_scale, A_QUANT: tl.constexpr, A_PARTIALS: tl.constexpr,
-        A_TILE: tl.constexpr):
-    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
-
-    A_QUANT (with A_SCALE 0): inter arrives unquantised and each program quantises its tiles to fp8 e4m3 per tensor
-    itself, as quant._tensor_quant_kernel would, its scale from GEMM1's num_a_partials partial amaxes
-    (A_PARTIALS at a time) or, with none, from all num_slots * K values of inter (one A_TILE tile): at decode sizes
-    this saves the quantiser's launches (`launch.gemm2_quantizes_input`).
-    """
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
+    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
@@ -598,24 +590,17 @@ def gemm2_weighted_kernel(
         slab_rows = _real_rows(slab_rows, slab_rows < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
-    if A_QUANT:
-        a_scale = tensor_dynamic_scale(a_ptr, a_partials_ptr, num_slots * K, num_a_partials, q_max, min_scale,
-                                       A_PARTIALS, A_TILE)
     acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if A_QUANT:
-            a = quantized_per_tensor(a.to(tl.float32), a_scale, q_max, False).to(tl.float8e4nv)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                       BLOCK_K, SWAP_AB)
     let_next_kernel_launch(PDL)
-    acc = _acc_rows_first(acc, SWAP_AB)
-    if A_QUANT:
-        acc = acc * a_scale  # first, as _epilogue_scale applies a loaded per-tensor scale: the same roundings
-    out = _epilogue_scale(acc, a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn, A_SCALE, W_SCALE)
+    out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
+                          A_SCALE, W_SCALE)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:

@@ -1,9 +1,5 @@
 """Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum.
 
-At decode sizes fewer kernels run: the naive assignment launches nothing (align.py), and a dynamic per-tensor FP8
-re-quantisation happens inside GEMM2 (`gemm2_quantizes_input`). On sm_90 each kernel is launched while the one
-before it finishes (pdl.py).
-
 With LoRA adapters, a shrink kernel runs before each GEMM over the same sorted blocks, on the
 unquantised GEMM input (x, and GEMM1's output before any re-quantisation); the GEMM epilogues
 add the expand.
@@ -24,7 +20,6 @@ from moerules.quant import Granularity
 from .. import fp4_fragments
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
-from ..qrange import MIN_SCALE, qmax
 from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import Alignment, moe_align
@@ -33,7 +28,7 @@ from .device import device_name
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 from .pdl import pdl_kwargs
-from .quant import dequantize_mx, needs_amax_pass, partials_step
+from .quant import dequantize_mx, needs_amax_pass
 from .topk_sum import topk_sum
 
 G = Granularity
@@ -47,8 +42,6 @@ ACTIVATION_CODE = {Activation.silu: ACT_SILU, Activation.gelu: ACT_GELU, Activat
 # (H200, Qwen3-30B shapes, rank 16: 128 beat 64 by 6 us at M=1; 512 exceeds shared memory at BLOCK_M=128).
 _SHRINK_BLOCK_K = 128
 _GEMV_FRAGMENT_K, _GEMV_FRAGMENT_WARPS = 128, 4  # `fragment_tiles`
-# The most slots whose GEMM2 quantises its own input (`gemm2_quantizes_input`): decode batches.
-_GEMM2_QUANT_SLOTS = 128
 
 
 def _scheme_flags(weights: MoEWeights) -> dict:
@@ -187,32 +180,11 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,
                                   dummy=weights.w13)
+    inter_q, inter_scale = quantize_intermediate(inter, amaxes)
     out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
-    if gemm2_quantizes_input(weights, T * k, inter.device):
-        gemm2(inter, None, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out, lora=lora2,
-              quantize_input=True, input_amaxes=amaxes)
-    else:
-        inter_q, inter_scale = quantize_intermediate(inter, amaxes)
-        gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
-              lora=lora2)
+    gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
+          lora=lora2)
     return topk_sum(out, k) if k > 1 else out
-
-
-def gemm2_quantizes_input(weights: MoEWeights, slots: int, device: torch.device) -> bool:
-    """Whether GEMM2 quantises GEMM1's output itself (fused_moe.gemm2_weighted_kernel, A_QUANT) rather than a
-    quantiser before it: dynamic per tensor (what `quantize_intermediate` then does, with the scheme's own
-    quantiser), at most _GEMM2_QUANT_SLOTS slots, on a GPU. Each program quantises the A tiles it reads, so the
-    tiles of a block are quantised once per column tile: at decode sizes that costs less than the quantiser's
-    launches. Not in the interpreter, whose tl.dot reads an fp8 tile converted in registers wrongly (3.2 off on a
-    16x16 product whose operands it stores right); tests/kernels/test_gemm2_input_quant.py holds both paths equal
-    on the GPU."""
-    return (device.type == "cuda" and _dynamic_per_tensor_intermediate(weights) and slots <= _GEMM2_QUANT_SLOTS
-            and weights.scheme.act_torch_dtype == torch.float8_e4m3fn)
-
-
-def _dynamic_per_tensor_intermediate(weights: MoEWeights) -> bool:
-    scheme = weights.scheme
-    return scheme.quantizes_activations and scheme.act_granularity == G.tensor and weights.a2_scale is None
 
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
@@ -262,18 +234,17 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
 def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
     """Whether GEMM1 computes the amax of its output: GEMM2's input is quantised dynamically per tensor, and the
     intermediate is larger than one quantiser program reads in one pass."""
-    return _dynamic_per_tensor_intermediate(weights) and needs_amax_pass(inter_numel)
+    scheme = weights.scheme
+    return (scheme.quantizes_activations and scheme.act_granularity == G.tensor
+            and weights.a2_scale is None and needs_amax_pass(inter_numel))
 
 
 def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights: MoEWeights,
           topk_weights: torch.Tensor, align: Alignment, cfg: MoEConfig, out: torch.Tensor,
-          lora: Optional[dict] = None, quantize_input: bool = False,
-          input_amaxes: Optional[torch.Tensor] = None) -> None:
+          lora: Optional[dict] = None) -> None:
     """One launch: topk_weight * (inter_q . w2[e]^T + bias) of every aligned slot into out [slots, H].
 
-    topk_weights contiguous; `lora` as in `gemm1`, for GEMM2. quantize_input: inter_q is GEMM1's unquantised output
-    [slots, I] (contiguous) and the kernel quantises it dynamically per tensor (`gemm2_quantizes_input`), its amax
-    from input_amaxes, the partial amaxes `gemm1` returned, or, if None, from inter_q itself.
+    topk_weights contiguous; `lora` as in `gemm1`, for GEMM2.
     """
     dummy = weights.w13
     bias = weights.w2_bias if weights.has_bias else dummy
@@ -282,10 +253,6 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
-    quant = _NO_INPUT_QUANT
-    if quantize_input:
-        quant = _input_quant_kwargs(weights, inter_q, input_amaxes)
-        flags |= dict(A_SCALE=0)  # the kernel applies the scale it computes
     gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
         inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
         weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
@@ -293,19 +260,4 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
-        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device), **quant,
-        a_partials_ptr=input_amaxes if input_amaxes is not None else dummy)
-
-
-_NO_INPUT_QUANT = dict(num_a_partials=0, q_max=0.0, min_scale=0.0, A_QUANT=False, A_PARTIALS=0, A_TILE=16)
-
-
-def _input_quant_kwargs(weights: MoEWeights, inter: torch.Tensor, amaxes: Optional[torch.Tensor]) -> dict:
-    """gemm2_weighted_kernel's A_QUANT arguments (but a_partials_ptr): inter quantised to fp8 per tensor in the kernel."""
-    partials = 0 if amaxes is None else amaxes.numel()
-    if not partials and needs_amax_pass(inter.numel()):
-        raise KernelInputError(f"GEMM2 quantising its input of {inter.numel()} elements itself needs GEMM1's partial "
-                               "amaxes (launch.gemm1 returns them for inputs this large): pass input_amaxes")
-    return dict(num_a_partials=partials, q_max=qmax(torch.float8_e4m3fn), min_scale=MIN_SCALE, A_QUANT=True,
-                A_PARTIALS=partials_step(partials),
-                A_TILE=max(16, triton.next_power_of_2(inter.numel())) if not partials else 16)
+        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device))

@@ -90,53 +90,35 @@ def _tensor_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, PDL: tl.cons
 
 
 @triton.jit
-def tensor_dynamic_scale(x_ptr, partial_ptr, n, num_partials, q_max, min_scale, PARTIALS: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """The dynamic per-tensor scale of x [n]: from the finite amaxes of its parts, num_partials of them read
-    PARTIALS at a time (PARTIALS > 0), or (PARTIALS == 0) from x itself, n <= BLOCK elements in one tile."""
-    if PARTIALS == 0:
-        offs = tl.arange(0, BLOCK)
-        amax = tl.max(_finite_abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)), axis=0)
-    else:
-        amaxes = tl.zeros((PARTIALS,), dtype=tl.float32)
-        for start in range(0, num_partials, PARTIALS):
-            parts = start + tl.arange(0, PARTIALS)
-            amaxes = tl.maximum(amaxes, tl.load(partial_ptr + parts, mask=parts < num_partials, other=0.0))
-        amax = tl.max(amaxes, axis=0)
-    return _dynamic_scale(amax, q_max, min_scale)
-
-
-@triton.jit
-def quantized_per_tensor(x, scale, q_max, TO_INT8: tl.constexpr):
-    """x (fp32) / scale, saturated to the quantised range, ready for the cast; fp8 keeps the per-tensor NaN policy
-    (quantize.py): a non-finite x gives NaN."""
-    y = _saturate(x, scale, q_max, TO_INT8)
-    if not TO_INT8:
-        y = tl.where(tl.abs(x) <= FP32_MAX, y, x * 0.0)
-    return y
-
-
-@triton.jit
 def _tensor_quant_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, n, num_partials, q_max, min_scale,
                          STATIC: tl.constexpr, PARTIALS: tl.constexpr, TO_INT8: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-    """q = saturate(x / scale) over a grid-stride loop (`quantized_per_tensor`).
+    """q = saturate(x / scale) over a grid-stride loop; a non-finite x gives NaN (fp8).
 
-    The scale: loaded (STATIC); else `tensor_dynamic_scale` of the num_partials partials (PARTIALS > 0) or, in
-    a single program, of x itself (one BLOCK tile).
+    The scale: loaded (STATIC); else the amax of the num_partials partials (PARTIALS, a power of two, covers
+    them); else (PARTIALS == 0) the amax of x itself, which this single program holds in one BLOCK tile.
     """
     dependent_launch_entry(PDL)
     pid = tl.program_id(0)
     if STATIC:
         scale = tl.load(scale_ptr)
     else:
-        scale = tensor_dynamic_scale(x_ptr, partial_ptr, n, num_partials, q_max, min_scale, PARTIALS, BLOCK)
+        if PARTIALS == 0:
+            offs = tl.arange(0, BLOCK)
+            amax = tl.max(_finite_abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)), axis=0)
+        else:
+            parts = tl.arange(0, PARTIALS)
+            amax = tl.max(tl.load(partial_ptr + parts, mask=parts < num_partials, other=0.0), axis=0)
+        scale = _dynamic_scale(amax, q_max, min_scale)
         if pid == 0:
             tl.store(scale_ptr, scale)
     for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        y = quantized_per_tensor(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), scale, q_max, TO_INT8)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _saturate(x, scale, q_max, TO_INT8)
+        if not TO_INT8:  # the per-tensor NaN policy (quantize.py): non-finite x -> NaN
+            y = tl.where(tl.abs(x) <= FP32_MAX, y, x * 0.0)
         tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -221,12 +203,11 @@ def _group_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride
 def _partials_scale_kernel(partial_ptr, scale_ptr, n, q_max, min_scale, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """The dynamic scale of max(partial), in one program (the partials are already finite amaxes)."""
     dependent_launch_entry(PDL)
-    tl.store(scale_ptr, tensor_dynamic_scale(partial_ptr, partial_ptr, 0, n, q_max, min_scale, BLOCK, BLOCK))
-
-
-def partials_step(num_partials: int) -> int:
-    """`tensor_dynamic_scale`'s PARTIALS for num_partials partial amaxes (0: none, the amax is of x itself)."""
-    return min(triton.next_power_of_2(num_partials), _PARTIALS_BLOCK) if num_partials else 0
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.load(partial_ptr + offs, mask=offs < n, other=0.0))
+    tl.store(scale_ptr, _dynamic_scale(tl.max(amax, axis=0), q_max, min_scale))
 
 
 def needs_amax_pass(numel: int) -> bool:
@@ -256,7 +237,7 @@ def _quantize_tensor(x: torch.Tensor, q: torch.Tensor, static_scale: Optional[to
         num_partials = programs
     _tensor_quant_kernel[(programs,)](
         x, q, scale, partials, n, num_partials, qmax(q.dtype), MIN_SCALE, STATIC=static_scale is not None,
-        PARTIALS=partials_step(num_partials), TO_INT8=q.dtype == torch.int8,
+        PARTIALS=triton.next_power_of_2(num_partials) if num_partials else 0, TO_INT8=q.dtype == torch.int8,
         BLOCK=block, num_warps=max(4, min(16, block // 1024)), **pdl_kwargs(x.device))
     return scale
 

@@ -1,5 +1,8 @@
 """Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum.
 
+At decode sizes the naive assignment launches nothing (align.py); on sm_90 each kernel is launched while the one
+before it finishes (pdl.py).
+
 With LoRA adapters, a shrink kernel runs before each GEMM over the same sorted blocks, on the
 unquantised GEMM input (x, and GEMM1's output before any re-quantisation); the GEMM epilogues
 add the expand.

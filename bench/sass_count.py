@@ -55,7 +55,7 @@ from moerules.kernels import fp4_fragments
 from moerules.kernels.activations import is_interleaved
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton import launch
-from moerules.kernels.triton.align import Alignment, max_blocks
+from moerules.kernels.triton.align import Alignment, max_blocks, use_naive_assignment
 from moerules.kernels.triton.config import MoEConfig, get_config
 from moerules.kernels.weights import MoEWeights
 from moerules.quant import Granularity as G
@@ -137,6 +137,8 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     launches: list[Launch] = []
 
     def alignment(topk_ids, *, num_experts, block_m):
+        if use_naive_assignment(topk_ids.numel(), num_experts):  # as moe_align: the GEMMs read the top-k ids
+            return Alignment(sorted_ids=None, expert_ids=topk_ids.reshape(-1), num_post_padded=None, block_m=block_m)
         blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
         i32 = dict(dtype=torch.int32)
         return Alignment(sorted_ids=torch.empty(blocks * block_m, **i32), expert_ids=torch.empty(blocks, **i32),

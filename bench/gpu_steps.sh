@@ -24,6 +24,9 @@
 #   gemv_probe  which fragment-order MXFP4 GEMV tiles compute right (bench/fp4_gemv_probe.py)
 #   tune_mx   tune TUNE_MX_SCHEMES (default mxfp4) on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64
 #             256), TUNE_SECONDS each; TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
+#   decode_probe  each kernel of a decode forward, timed (bench/decode_probe.py; PROBE_MODELS, PROBE_MS)
+#   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
+#             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
@@ -113,6 +116,16 @@ bench() {
   timeout 70 python3 bench/moe.py --phase bench --models qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16 256 \
     --fast --baseline bench/results/quant/new/results.json --out "$out/bench" > "$out/bench.log" 2>&1
 }
+decode_probe() {
+  timeout "${PROBE_SECONDS:-150}" python3 bench/decode_probe.py --out "$out/decode_probe" \
+    --models ${PROBE_MODELS:-qwen3-30b-a3b gpt-oss-120b mixtral-8x7b deepseek-v3} --ms ${PROBE_MS:-1 16} \
+    > "$out/decode_probe.log" 2>&1
+}
+pdl_probe() {
+  timeout "${PROBE_SECONDS:-150}" python3 bench/pdl_probe.py --out "$out/pdl_probe" \
+    --points ${PDL_POINTS:-qwen3-30b-a3b:bf16:1 qwen3-30b-a3b:fp8_tensor:1 mixtral-8x7b:fp8_tensor:1024} \
+    > "$out/pdl_probe.log" 2>&1
+}
 for step in "$@"; do "$step"; done
 
 find "$out" -name bench.csv -delete
@@ -121,4 +134,9 @@ if [ -d "$out/tune" ]; then
   cp -r kernels/configs "$out/tune/configs" && tar -czf "$out/tune.tgz" -C "$out" tune tune.log && rm -rf "$out/tune" "$out/tune.log"
   tar -xzOf "$out/tune.tgz" tune.log | grep "^tuned" | cut -c1-90
 fi
-tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log "$out"/tk*.log 2>/dev/null
+tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log "$out"/tk*.log "$out"/*probe.log 2>/dev/null
+# Past 8 files, the rest travels as one archive too (the logs stay readable beside it).
+if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/results.tgz -C "$out" . && mv /tmp/results.tgz "$out/" &&
+    find "$out" -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name '*.log' ! -name tune.tgz -exec rm -rf {} +
+fi

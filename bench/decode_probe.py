@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, captured_graph  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 
@@ -29,20 +29,6 @@ def kernel_trace(fn) -> list[tuple[str, float, float]]:
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     return sorted((e.name[:60], e.time_range.start, e.time_range.end - e.time_range.start) for e in events)
-
-
-def graph_of(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def main(argv=None) -> int:
@@ -61,7 +47,7 @@ def main(argv=None) -> int:
                 x, ids, tw = b.inputs(name, M)
                 fn = lambda: layer(x, topk_ids=ids, topk_weights=tw)  # noqa: E731
                 forward = b.time_us(fn, graph=True)
-                g = graph_of(fn)
+                g = captured_graph(fn)
                 trace = kernel_trace(g.replay)
                 span = trace[-1][1] + trace[-1][2] - trace[0][1] if trace else 0.0
                 row = {"model": name, "scheme": sname, "M": M, "forward_us": forward, "span_us": span,

@@ -72,6 +72,19 @@ def count_launches(fn) -> int:
     return sum(e.device_type == DeviceType.CUDA for e in prof.events())
 
 
+def captured_graph(fn) -> "torch.cuda.CUDAGraph":
+    """One call of fn captured as a CUDA graph (after a warm-up call on a side stream, as capture requires)."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def time_us(fn, *, graph: bool, rep: int = 100) -> float:
     """Median µs of fn() on the GPU (do_bench flushes L2 before every call). Graph mode captures one call and
     replays it."""
@@ -79,14 +92,7 @@ def time_us(fn, *, graph: bool, rep: int = 100) -> float:
     fn()  # compile / autotune outside the timed region
     torch.cuda.synchronize()
     if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            fn()
+        g = captured_graph(fn)
         try:
             return triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median") * 1e3
         finally:

@@ -9,7 +9,7 @@
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four), TUNE_SECONDS per model (default 140), TUNE_SCHEMES and TUNE_MS (default the whole M grid) fit it
-#             into several calls
+#             into several calls; TUNE_ARGS adds bench/moe.py options (e.g. --fields TMA num_stages)
 #   tests_mx  the MX kernel tests alone, with the MX cells' tile variants and decision-walk layers (the bf16 MXFP4
 #             decode's PTX runs only here)
 #   compare   the whole forward of the code in carry/base (`git archive BASE moerules kernels engine rules bench
@@ -25,6 +25,8 @@
 #   tune_mx   tune TUNE_MX_SCHEMES (default mxfp4) on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64
 #             256), TUNE_SECONDS each; TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
 #   decode_probe  each kernel of a decode forward, timed (bench/decode_probe.py; PROBE_MODELS, PROBE_MS)
+#   tma_probe     the forward with the weight tiles loaded by address and by TMA, in either GEMM or both, alternately
+#             (bench/tma_probe.py; TMA_ARGS, e.g. --models mixtral-8x7b --ms 4096)
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -56,7 +58,7 @@ tune_all() {
   local m
   for m in ${TUNE_MODELS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 gpt-oss-120b}; do
     tune_one "${TUNE_SECONDS:-140}" "$m" --schemes ${TUNE_SCHEMES:-bf16 fp8_tensor fp8_block mxfp4} \
-      --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384}
+      --ms ${TUNE_MS:-1 16 64 256 1024 4096 16384} ${TUNE_ARGS:-}
   done
 }
 harness() {
@@ -125,6 +127,10 @@ pdl_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/pdl_probe.py --out "$out/pdl_probe" \
     --points ${PDL_POINTS:-qwen3-30b-a3b:bf16:1 qwen3-30b-a3b:fp8_tensor:1 mixtral-8x7b:fp8_tensor:1024} \
     > "$out/pdl_probe.log" 2>&1
+}
+tma_probe() {
+  # shellcheck disable=SC2086
+  timeout "${PROBE_SECONDS:-400}" python3 bench/tma_probe.py --out "$out/tma_probe" ${TMA_ARGS:-} > "$out/tma_probe.log" 2>&1
 }
 for step in "$@"; do "$step"; done
 

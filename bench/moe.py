@@ -333,7 +333,7 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB")
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -356,7 +356,7 @@ class Bench:
     def tune(self):
         """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
-        sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages and SWAP_AB, keeping each
+        sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
         field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
         replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
         faster when the two are timed again, alternating which goes first, CONFIRM_ROUNDS times
@@ -492,7 +492,7 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
-        return [not cur]  # SWAP_AB
+        return [not cur]  # SWAP_AB, TMA
 
     def valid(self, cfgs, scheme: Scheme) -> list:
         """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory, each as the GEMMs

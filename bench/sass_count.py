@@ -38,7 +38,7 @@ import subprocess
 import sys
 import types
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tk_mxfp4
 from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES
@@ -242,6 +243,8 @@ def compile_sm90(item: Launch):
         if param.is_constexpr or value is None or (isinstance(value, int) and not isinstance(value, bool)
                                                    and value == 1):
             signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, TensorDescriptor):
+            signature[name] = f"tensordesc<{_POINTER[value.base.dtype]}{list(value.block_shape)}>"
         elif isinstance(value, torch.Tensor) or hasattr(value, "storage"):  # triton_kernels' Tensor: its storage
             dtype = value.dtype if isinstance(value, torch.Tensor) else value.storage.data.dtype
             signature[name] = "*" + _POINTER[dtype]
@@ -300,14 +303,17 @@ def count(item: Launch, workdir: Path) -> dict:
 
 
 def point_rows(model_name: str, scheme_name: str, M: int, *, device_name: str, config: dict | None,
-               workdir: Path, peer: Path | None = None) -> list[dict]:
-    """Both GEMMs of one (model, scheme, M), with the tuned config of device_name unless `config` is given; then,
-    given `peer` (a triton_kernels folder) and MXFP4, triton_kernels' two GEMMs at the same point."""
+               workdir: Path, peer: Path | None = None, tma: bool = False) -> list[dict]:
+    """Both GEMMs of one (model, scheme, M), with the tuned config of device_name unless `config` is given (`tma`:
+    with TMA weight copies in both GEMMs); then, given `peer` (a triton_kernels folder) and MXFP4, triton_kernels'
+    two GEMMs at the same point."""
     model = (MODELS | EXTRA_MODELS)[model_name]
     weights = empty_weights(model, scheme_name)
     cfg = MoEConfig.from_dict(config) if config else get_config(
         num_tokens=M, num_experts=model.E, intermediate=model.I, top_k=model.k, scheme=weights.scheme,
         in_dtype_name="bf16", device_name=device_name)
+    if tma:
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, TMA=True), gemm2=replace(cfg.gemm2, TMA=True))
     sides = [("moerules", captured_launches(model, weights, M, cfg))]
     if peer and scheme_name == "mxfp4":
         sides.append(("triton_kernels", peer_launches(peer, model, M)))
@@ -339,6 +345,7 @@ def main() -> int:
     p.add_argument("--triton-kernels", type=Path, metavar="DIR",
                    help="also count triton_kernels' MXFP4 GEMMs at each MXFP4 point, the package in DIR "
                         "(bench/get_triton_kernels.sh fills carry/triton_kernels)")
+    p.add_argument("--tma", action="store_true", help="the configs with TMA weight copies in both GEMMs")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.triton_kernels:
@@ -352,7 +359,7 @@ def main() -> int:
         for scheme_name in args.schemes:
             for M in args.ms:
                 for row in point_rows(name, scheme_name, M, device_name=args.device_name, config=args.config,
-                                      workdir=args.out, peer=args.triton_kernels):
+                                      workdir=args.out, peer=args.triton_kernels, tma=args.tma):
                     rows.append(row)
                     print(line(row), flush=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))

@@ -470,7 +470,8 @@ def _vllm_tiles(c: dict) -> str:
 
 def _our_tiles(c: dict) -> str:
     def gemm(g):
-        return f"N{g['BLOCK_N']} K{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
+        flags = "".join(f" {f}" for f, on in (("swap", g.get("SWAP_AB")), ("tma", g.get("TMA"))) if on)
+        return f"N{g['BLOCK_N']} K{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}{flags}"
     return f"M{c['BLOCK_M']}; 1: {gemm(c['gemm1'])}; 2: {gemm(c['gemm2'])}"
 
 

@@ -347,23 +347,36 @@ def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_
 
 
 @triton.jit
+def _tma_tile(w_desc, tma_e, tma_row, k0, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The [ROWS, BLOCK_K] weight tile (transposed unless SWAP_AB) as one TMA copy of w_desc's 3-d box at
+    [tma_e, tma_row, k0] (launch._weight_descriptor): [1, ROWS, BLOCK_K] of [E, N, K], or GEMM1's gate and up rows
+    as [2, ROWS / 2, BLOCK_K] of [2E, I, K]. The copy engine fills rows and K past the bounds with zeros, so the
+    tile needs no address or mask instructions."""
+    w = tl.reshape(w_desc.load([tma_e, tma_row, k0]), (ROWS, BLOCK_K))
+    if not SWAP_AB:
+        w = tl.trans(w)
+    return w
+
+
+@triton.jit
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows,
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
             UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, w_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes.
 
     w_rows and slab_rows are real rows (`_real_rows`), so the weight loads mask K alone; col_ok masks the block
-    scales of the columns past N."""
+    scales of the columns past N. W_TMA: the tile is w_desc's box at [tma_e, tma_row, k0] instead (`_tma_tile`)."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
                        BLOCK_N, BLOCK_K, SWAP_AB)
     else:
-        w_off = w_rows.to(tl.int64) * stride_wn
-        if SWAP_AB:
-            b = tl.load(w_e + w_off[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
+        if W_TMA:
+            b = _tma_tile(w_desc, tma_e, tma_row, k0, BLOCK_N, BLOCK_K, SWAP_AB)
+        elif SWAP_AB:
+            b = tl.load(w_e + w_rows.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=k_ok[None, :], other=0.0)
         else:
-            b = tl.load(w_e + w_off[None, :] + ks[:, None], mask=k_ok[:, None], other=0.0)
+            b = tl.load(w_e + w_rows.to(tl.int64)[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None], other=0.0)
         tl.static_assert(A_SCALE != 4, "MXFP8 inputs come dequantised (launch._gemm_input)")
         if W_SCALE == 4:
             acc = _dot(a, _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, a.dtype, SWAP_AB), acc, SWAP_AB)
@@ -487,12 +500,16 @@ def gemm1_gated_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
+        W_TMA: tl.constexpr = 0):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
     dynamic per-tensor scale (quant.scale_of_partials).
+    W_TMA (launch._weight_descriptor): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
+    planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
+    columns then alternate gate, up).
     """
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -511,10 +528,16 @@ def gemm1_gated_kernel(
     # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
     W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     j = tl.arange(0, W_COLS)
-    w_cols = pid_n * BLOCK_N + j % BLOCK_N
-    w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
-    w_ok = w_cols < N
+    if W_TMA == 2 and GATED:
+        w_rows = pid_n * W_COLS + j
+        w_ok = w_rows // 2 < N
+    else:
+        w_cols = pid_n * BLOCK_N + j % BLOCK_N
+        w_rows = w_cols * gate_row_step + (j // BLOCK_N) * up_row_offset
+        w_ok = w_cols < N
     w_rows = _real_rows(w_rows, w_ok)
+    tma_e = (e * 2 if W_TMA == 1 else e).to(tl.int32)
+    tma_row = pid_n * (BLOCK_N if W_TMA == 1 else W_COLS)
     slab_rows = w_rows  # MXFP4 reads whole slabs of fragment order (16 rows; PAIRED 32)
     if W_FP4 and PAIRED:
         slab_rows = 2 * pid_n * BLOCK_N + 32 * tl.arange(0, W_COLS // 32)
@@ -532,10 +555,12 @@ def gemm1_gated_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
-                      BLOCK_K, SWAP_AB)
+                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA)
     let_next_kernel_launch(PDL)
     acc = _acc_rows_first(acc, SWAP_AB)
-    if GATED:
+    if GATED and W_TMA == 2:
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    elif GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         acc_g = acc
@@ -574,8 +599,11 @@ def gemm2_weighted_kernel(
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr):
-    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H."""
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
+        W_TMA: tl.constexpr = 0):
+    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
+
+    W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_gated_kernel)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
@@ -597,7 +625,7 @@ def gemm2_weighted_kernel(
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
-                      BLOCK_K, SWAP_AB)
+                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA)
     let_next_kernel_launch(PDL)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerules.activation import Activation, SwigluParams
 from moerules.errors import KernelInputError
@@ -105,6 +106,37 @@ def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
     if scale is None or scale.dim() == 1:
         return 1, 0
     return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
+
+
+# TMA boxes: each dimension at most 256 elements, the K step at least 16 bytes, the weights' rows 16-byte aligned.
+_TMA_MAX_BOX, _TMA_ALIGN = 256, 16
+
+
+def _weight_descriptor(w: torch.Tensor, g: GemmConfig, *, gemm: int, rows: int, halves: bool) -> dict:
+    """w_desc and W_TMA of a GEMM launch (fused_moe._tma_tile) whose weight tiles hold `rows` rows of w [E, N, K]:
+    with g.TMA, TMA copies of boxes of a 3-d view, GEMM1's gate and up halves as two planes of [2E, I, K]
+    (`halves`), else consecutive rows of [E, N, K]. A config that asks for TMA gets it, or KernelInputError."""
+    if not g.TMA:
+        return dict(w_desc=None, W_TMA=0)
+    if halves:
+        view, box = w.view(2 * w.shape[0], w.shape[1] // 2, w.shape[2]), [2, rows // 2, g.BLOCK_K]
+    else:
+        view, box = w, [1, rows, g.BLOCK_K]
+    problem = _tma_problem(view, box)
+    if problem:
+        raise KernelInputError(f"gemm{gemm}: the config asks for TMA weight copies, which cannot read these weights "
+                               f"({problem}); set \"TMA\": false in that config")
+    return dict(w_desc=TensorDescriptor.from_tensor(view, box), W_TMA=1 if halves else 2)
+
+
+def _tma_problem(w: torch.Tensor, box: list[int]) -> Optional[str]:
+    """Why the copy engine cannot read boxes `box` of w, or None."""
+    size = w.element_size()
+    if not w.is_contiguous() or w.data_ptr() % _TMA_ALIGN or (w.shape[-1] * size) % _TMA_ALIGN:
+        return f"rows of {w.shape[-1]} x {size} bytes, contiguous and {_TMA_ALIGN}-byte aligned, are needed"
+    if max(box) > _TMA_MAX_BOX or box[-1] * size < _TMA_ALIGN:
+        return f"box {box}: each dimension at most {_TMA_MAX_BOX}, the K step at least {_TMA_ALIGN} bytes"
+    return None
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:
@@ -230,7 +262,9 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         **flags, **_launch_kwargs(g), GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
-        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device))
+        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device),
+        **_weight_descriptor(weights.w13, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
+                             halves=weights.gated and not interleaved))
     return amax
 
 
@@ -263,4 +297,5 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
-        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device))
+        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
+        **_weight_descriptor(weights.w2, g, gemm=2, rows=g.BLOCK_N, halves=False))

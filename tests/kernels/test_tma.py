@@ -1,0 +1,64 @@
+"""Weight tiles copied by TMA (GemmConfig.TMA, fused_moe._tma_tile) compute the same layer as address loads.
+
+Every non-MX cell, both MMA orientations, the three weight layouts the boxes read: gated halves (silu: two planes
+of [2E, I, K]), interleaved pairs (swigluoai: 2 * BLOCK_N consecutive rows, accumulator columns alternating) and
+non-gated rows; H=160 and I=96 are not multiples of the boxes, so the copy engine's zero fill past N and K is in
+every point. Tolerances are test_fused_moe.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kernel_helpers import DEVICE, TRITON_DTYPE, _both_gemms, make_layer, random_inputs, reference64, rel_err
+from test_fused_moe import triton_tol
+
+from moerules.activation import Activation
+from moerules.errors import KernelInputError
+from moerules.kernels.scheme import Scheme, scheme_cells
+from moerules.kernels.triton import launch
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config
+from moerules.quant import QuantConfig, QuantFamily
+
+DENSE_CELLS = [c for c in scheme_cells() if not c.startswith("mx")]
+_TILE = GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TMA=True)
+
+
+def _run(layer, M, top_k, monkeypatch, **fields):
+    cfg = _both_gemms(MoEConfig(BLOCK_M=16, gemm1=_TILE, gemm2=_TILE), **fields)
+    monkeypatch.setattr(launch, "get_config", lambda **kwargs: cfg)
+    x, ids, w = random_inputs(layer, M, top_k, device=DEVICE)
+    return layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("activation", [Activation.silu, Activation.swigluoai, Activation.silu_no_mul])
+@pytest.mark.parametrize("cell", DENSE_CELLS)
+def test_tma_tiles_every_dense_cell(cell, activation, swap, poison_empty, monkeypatch):
+    layer = make_layer("triton.fused_moe", cell, activation=activation, dtype=TRITON_DTYPE, bias=True, device=DEVICE)
+    out, ref = _run(layer, 13, 2, monkeypatch, SWAP_AB=swap)
+    assert rel_err(out, ref) < triton_tol(cell)
+
+
+def test_tma_block_scales_follow_the_interleaved_rows(poison_empty, monkeypatch):
+    """Block-128 weight scales of interleaved rows: I = 192 puts gate/up pairs of two scale blocks in one box."""
+    layer = make_layer("triton.fused_moe", "fp8_w8a8/block128/group128", activation=Activation.swigluoai,
+                       dtype=TRITON_DTYPE, I=192, device=DEVICE)
+    out, ref = _run(layer, 9, 2, monkeypatch, BLOCK_N=128, BLOCK_K=128)
+    assert rel_err(out, ref) < triton_tol("fp8_w8a8/block128/group128")
+
+
+def test_tma_refuses_rows_the_copy_engine_cannot_read(monkeypatch):
+    """K = 100 fp16 values is 200 bytes a row, not a multiple of 16: the config's TMA cannot be honoured."""
+    layer = make_layer("triton.fused_moe", "unquantized", dtype=TRITON_DTYPE, H=100, device=DEVICE)
+    with pytest.raises(KernelInputError, match=r"gemm1: the config asks for TMA weight copies, which cannot read "
+                                               r"these weights \(rows of 100 x 2 bytes"):
+        _run(layer, 4, 2, monkeypatch)
+
+
+@pytest.mark.parametrize("cfg,quant", [
+    (MoEConfig(BLOCK_M=1, gemm1=_TILE, gemm2=_TILE), QuantConfig()),                           # GEMV rows
+    (MoEConfig(BLOCK_M=16, gemm1=_TILE, gemm2=_TILE), QuantConfig(family=QuantFamily.mxfp4_w4a16)),  # MX weights
+])
+def test_tma_configs_outside_the_mma_tiles_of_dense_weights_are_refused(cfg, quant):
+    with pytest.raises(ValueError, match="gemm1: TMA weight copies serve MMA tiles of non-MX weights"):
+        check_config(cfg, Scheme.from_quant(quant))

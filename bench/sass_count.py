@@ -262,14 +262,17 @@ def compile_sm90(item: Launch):
 
 
 def main_loop(sass: str) -> list[str]:
-    """Opcodes of the longest loop (a branch back to an earlier address) of the disassembly."""
+    """Opcodes of the longest loop (a branch back to an earlier address) of the disassembly. A span holding an EXIT
+    is no loop: with TMA copies, ptxas places the mbarrier wait's retry after the kernel's end and branches back
+    from there into the K loop."""
     code = [(int(addr, 16), op, text) for addr, text, op in _INSTRUCTION.findall(sass)]
     best: list[str] = []
     for addr, op, text in code:
         target = re.search(r"BRA\S*\s+(?:`\()?(0x[0-9a-f]+)", text) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
+            if "EXIT" not in body:
+                best = max(best, body, key=len)
     return best
 
 

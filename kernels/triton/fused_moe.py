@@ -11,6 +11,13 @@ rows) the tile holds BLOCK_N rows and it writes act(h).
 
 SWAP_AB (a config field): the weight tile is the MMA's M side and the tokens its N side (`_dot`).
 
+TMA (a config field, W_TMA here; sm_90+, dense weights, MMA tiles): each weight tile is one TMA copy of a box of a
+3-d view of the weights (`_tma_tile`, launch._weight_descriptor) instead of address loads: the copy engine fills
+rows and K past the bounds with zeros, and Triton's pipeliner feeds the tile from shared memory to wgmma. The token
+rows stay address loads (a gather by sorted slot, which Hopper's TMA cannot do). Measured per GEMM with the tuned
+tiles (H200, GEMMs alone, 3 alternating rounds; bench/results/s32): GEMM2 1.02-1.07x faster at M >= 4096 for every
+model, GEMM1 0.92-1.06x; level (+-1%) at M <= 1024; so the tuned files choose it per GEMM and M.
+
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
 accumulator before the activation (GEMM1) or the router weight (GEMM2). LORA_R is the rank

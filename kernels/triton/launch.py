@@ -118,14 +118,12 @@ def _weight_descriptor(w: torch.Tensor, g: GemmConfig, *, gemm: int, rows: int, 
     (`halves`), else consecutive rows of [E, N, K]. A config that asks for TMA gets it, or KernelInputError."""
     if not g.TMA:
         return dict(w_desc=None, W_TMA=0)
-    if halves:
-        view, box = w.view(2 * w.shape[0], w.shape[1] // 2, w.shape[2]), [2, rows // 2, g.BLOCK_K]
-    else:
-        view, box = w, [1, rows, g.BLOCK_K]
-    problem = _tma_problem(view, box)
+    box = [2, rows // 2, g.BLOCK_K] if halves else [1, rows, g.BLOCK_K]
+    problem = _tma_problem(w, box)
     if problem:
         raise KernelInputError(f"gemm{gemm}: the config asks for TMA weight copies, which cannot read these weights "
                                f"({problem}); set \"TMA\": false in that config")
+    view = w.view(2 * w.shape[0], w.shape[1] // 2, w.shape[2]) if halves else w
     return dict(w_desc=TensorDescriptor.from_tensor(view, box), W_TMA=1 if halves else 2)
 
 

@@ -2,6 +2,7 @@
 
     python bench/sass_count.py --models gpt-oss-120b --schemes mxfp4 --ms 16 256 4096 [--device-name "NVIDIA H200"]
     python bench/sass_count.py ... --config '{"BLOCK_M": 16, "gemm1": {...}, "gemm2": {...}}'   # a config to try
+    python bench/sass_count.py ... --tma   # the configs with TMA weight copies in both GEMMs
     PYTHONPATH=carry/base python bench/sass_count.py ...   # an older tree (`git archive`, as gpu_steps compare)
     python bench/sass_count.py ... --triton-kernels carry/triton_kernels   # also triton_kernels' MXFP4 GEMMs
 

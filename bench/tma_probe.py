@@ -65,7 +65,7 @@ def points(args) -> list[tuple[str, str, int]]:
             if not (s == "fp8_block" and m != "deepseek-v3")]
 
 
-def forward_sides(b: Bench, layer, x, ids, tw) -> tuple[dict, dict, dict]:
+def forward_sides(layer, x, ids, tw) -> tuple[dict, dict, dict]:
     """({variant: {"": whole forward}}, {variant: output}, {variant: error}) of FORWARD_VARIANTS."""
     sides, outputs, errors = {}, {}, {}
     for v, tma in FORWARD_VARIANTS.items():
@@ -116,7 +116,6 @@ def install(b: Bench, name: str, layer, M: int, row: dict) -> None:
     table = b.existing_table(model, w.scheme)
     table[str(M)] = with_tma(in_use, *tma).to_dict()
     row["installed_tma"] = tma
-    b.args.install_configs = True
     b.write_config(model, w.scheme, table)
 
 
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
         args.points = args.points or ["tiny:fp8_tensor:40", "tiny-oss:fp8_tensor:40"]
     todo = points(args)
     b = Bench(argparse.Namespace(smoke=args.smoke, models=sorted({m for m, _, _ in todo}), out=args.out, ms=None,
-                                 schemes=None, install_configs=False))
+                                 schemes=None, install_configs=args.install))
     rows = []
     for name, sname, M in todo:
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
         if launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device).BLOCK_M == 1:
             continue
         sides, outputs, errors = (gemm_sides(layer, x, ids, tw) if args.gemms else
-                                  forward_sides(b, layer, x, ids, tw))
+                                  forward_sides(layer, x, ids, tw))
         row: dict = {"point": f"{name}:{sname}:{M}"} | {f"{v}_error": e for v, e in errors.items()}
         if "address" in outputs:
             ref = outputs["address"]

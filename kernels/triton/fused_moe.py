@@ -15,8 +15,9 @@ TMA (a config field, W_TMA here; sm_90+, dense weights, MMA tiles): each weight 
 3-d view of the weights (`_tma_tile`, launch._weight_descriptor) instead of address loads: the copy engine fills
 rows and K past the bounds with zeros, and Triton's pipeliner feeds the tile from shared memory to wgmma. The token
 rows stay address loads (a gather by sorted slot, which Hopper's TMA cannot do). Measured per GEMM with the tuned
-tiles (H200, GEMMs alone, 3 alternating rounds; bench/results/s32): GEMM2 1.02-1.07x faster at M >= 4096 for every
-model, GEMM1 0.92-1.06x; level (+-1%) at M <= 1024; so the tuned files choose it per GEMM and M.
+tiles (H200, GEMMs alone, 3 alternating rounds; bench/results/s32): GEMM2 1.02-1.06x faster at M = 4096 for every
+model and scheme, 0.98-1.07x at 16384; GEMM1 0.92-1.06x there; both 0.97-1.07x at M = 256-1024. So the tuned files
+choose it per GEMM and M (bench/tma_probe.py --gemms --install).
 
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each

@@ -8,8 +8,12 @@ every point. Tolerances are test_fused_moe.py's.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
-from kernel_helpers import DEVICE, TRITON_DTYPE, _both_gemms, make_layer, random_inputs, reference64, rel_err
+from kernel_helpers import (DEVICE, TRITON_DTYPE, _both_gemms, bench_module, make_layer, random_inputs, reference64,
+                            rel_err)
 from test_fused_moe import triton_tol
 
 from moerules.activation import Activation
@@ -21,6 +25,8 @@ from moerules.quant import QuantConfig, QuantFamily
 
 DENSE_CELLS = [c for c in scheme_cells() if not c.startswith("mx")]
 _TILE = GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TMA=True)
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="the probe's smoke path runs in the Triton interpreter (CPU)")
 
 
 def _run(layer, M, top_k, monkeypatch, **fields):
@@ -62,3 +68,29 @@ def test_tma_refuses_rows_the_copy_engine_cannot_read(monkeypatch):
 def test_tma_configs_outside_the_mma_tiles_of_dense_weights_are_refused(cfg, quant):
     with pytest.raises(ValueError, match="gemm1: TMA weight copies serve MMA tiles of non-MX weights"):
         check_config(cfg, Scheme.from_quant(quant))
+
+
+@needs_interpreter
+def test_tma_probe_installs_each_gemms_faster_load(monkeypatch, tmp_path):
+    """bench/tma_probe.py --gemms --install: TMA goes into the tuned entry of a GEMM only where it timed at least
+    INSTALL_MARGIN faster (GEMM1 5% here; GEMM2's 0.5% is inside the margin), and both loads give one output."""
+    from moerules.kernels.triton import config
+    probe, moe = bench_module(monkeypatch, "tma_probe"), bench_module(monkeypatch, "moe")
+    for module in (moe, config):
+        monkeypatch.setattr(module, "CONFIG_DIR", tmp_path / "configs")
+    config._load_file.cache_clear()
+    times = {"address_gemm1_us": 100.0, "tma_gemm1_us": 95.0, "address_gemm2_us": 100.0, "tma_gemm2_us": 99.5}
+    monkeypatch.setattr(probe, "fastest_alternating", lambda time_us, rounds, sides: dict(times))
+    probe.main(["--smoke", "--gemms", "--install", "--points", "tiny:fp8_tensor:40", "--out", str(tmp_path / "out")])
+    config._load_file.cache_clear()
+    row, = json.loads((tmp_path / "out" / "tma_probe.json").read_text())
+    assert (row["installed_tma"], row["tma_diff"], row["gemm1 tma/address"]) == ([True, False], 0.0, 1.053)
+    entry = json.loads((tmp_path / "configs" / "E=8,N=128,device_name=cpu,dtype=fp8_w8a8.json").read_text())["40"]
+    assert (entry["gemm1"]["TMA"], entry["gemm2"]["TMA"]) == (True, False)
+
+
+def test_tma_probe_installs_only_from_gemm_timings(monkeypatch, capsys):
+    probe = bench_module(monkeypatch, "tma_probe")
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--smoke", "--install", "--out", "unused"])
+    assert exc.value.code == 2 and "--install needs --gemms" in capsys.readouterr().err

@@ -26,7 +26,9 @@
 #             256), TUNE_SECONDS each; TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
 #   decode_probe  each kernel of a decode forward, timed (bench/decode_probe.py; PROBE_MODELS, PROBE_MS)
 #   tma_probe     the forward with the weight tiles loaded by address and by TMA, in either GEMM or both, alternately
-#             (bench/tma_probe.py; TMA_ARGS, e.g. --models mixtral-8x7b --ms 4096)
+#             (bench/tma_probe.py; TMA_ARGS, e.g. --models mixtral-8x7b --ms 4096, or on a new GPU
+#             "--gemms --install --rounds 3 --ms 256 1024 4096 16384": each GEMM's faster load into its files, which
+#             come back in tma_probe/configs)
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -131,6 +133,7 @@ pdl_probe() {
 tma_probe() {
   # shellcheck disable=SC2086
   timeout "${PROBE_SECONDS:-400}" python3 bench/tma_probe.py --out "$out/tma_probe" ${TMA_ARGS:-} > "$out/tma_probe.log" 2>&1
+  cp -r kernels/configs "$out/tma_probe/configs"
 }
 for step in "$@"; do "$step"; done
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import MODELS, TIMED_SCHEMES, Bench, fastest_alternating  # noqa: E402
+from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_alternating  # noqa: E402
 from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--points", nargs="+", help="model:scheme:M (instead of the grid below)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS | EXTRA_MODELS))
     p.add_argument("--schemes", nargs="+", default=["bf16", "fp8_tensor", "fp8_block"], choices=list(TIMED_SCHEMES))
     p.add_argument("--ms", nargs="+", type=int, default=[16, 256, 1024, 4096, 16384])
     p.add_argument("--rounds", type=int, default=2)

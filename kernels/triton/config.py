@@ -191,7 +191,7 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
         if scheme.is_mx and g.BLOCK_K % MX_GROUP:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MX weights (whole "
                              "e8m0 groups per K step)")
-        if g.TMA and (scheme.is_mx or cfg.BLOCK_M == 1):
-            raise ValueError(f"{name}: TMA weight copies serve MMA tiles of non-MX weights (not MX, not BLOCK_M 1)")
+        if g.TMA and cfg.BLOCK_M == 1:
+            raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

@@ -11,13 +11,16 @@ rows) the tile holds BLOCK_N rows and it writes act(h).
 
 SWAP_AB (a config field): the weight tile is the MMA's M side and the tokens its N side (`_dot`).
 
-TMA (a config field, W_TMA here; sm_90+, dense weights, MMA tiles): each weight tile is one TMA copy of a box of a
-3-d view of the weights (`_tma_tile`, launch._weight_descriptor) instead of address loads: the copy engine fills
-rows and K past the bounds with zeros, and Triton's pipeliner feeds the tile from shared memory to wgmma. The token
-rows stay address loads (a gather by sorted slot, which Hopper's TMA cannot do). Measured per GEMM with the tuned
-tiles (H200, GEMMs alone, 3 alternating rounds; bench/results/s32): GEMM2 1.02-1.06x faster at M = 4096 for every
-model and scheme, 0.98-1.07x at 16384; GEMM1 0.92-1.06x there; both 0.97-1.07x at M = 256-1024. So the tuned files
-choose it per GEMM and M (bench/tma_probe.py --gemms --install).
+TMA (a config field, W_TMA here; sm_90+, MMA tiles): each weight tile is one TMA copy of a box of a view of the
+weights (`_tma_tile`; MXFP4's slabs and scales, `_fp4_tma_runs`; launch._weight_descriptors) instead of address
+loads: the copy engine fills rows and K past the bounds with zeros, and Triton's pipeliner stages the tile in shared
+memory (feeding wgmma from there for 8/16-bit weights). The token rows stay address loads (a gather by sorted slot,
+which Hopper's TMA cannot do). Measured per GEMM with the tuned tiles (H200, GEMMs alone, 3 alternating rounds;
+bench/results/s32): bf16/FP8 GEMM2 1.02-1.06x faster at M = 4096 for every model and scheme, 0.98-1.07x at 16384;
+GEMM1 0.92-1.06x there; both 0.97-1.07x at M = 256-1024. MXFP8 1.03-1.20x at M = 16-4096 (its K loop dequantises
+the weight tile from registers and was issue-bound). MXFP4 0.63-1.01x: the fragment-order runs then pass a fence
+and two more barriers per K step on their way from shared memory to registers (bench/sass_count.py --tma). So the
+tuned files choose it per GEMM and M (bench/tma_probe.py --gemms --install).
 
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
@@ -312,27 +315,33 @@ def _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, dtype: tl.constexpr, S
 
 @triton.jit
 def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, dtype: tl.constexpr,
-                       FOLDED: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                       FOLDED: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                       w_desc=None, s_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0):
     """The [ROWS, BLOCK_K] weight tile at k0 of fragment-order MXFP4 weights (fp4_fragments.py), decoded to dtype.
 
     slab_rows: the first row of each slab the tile reads, in tile order (16 rows; PAIRED, the paired layout of
     interleaved gate/up rows: 32, and the tile is the slabs' gate rows, then their up rows), each a real slab
     (`_real_rows`). Each lane loads its words contiguously and the reshapes below only rename registers: on sm_90
     the decoded values are the MMA's register operand as they leave the decode (bench/sass_count.py).
+    W_TMA: the values and scales are TMA copies instead (`_fp4_tma_runs`), the tile's first row tma_row.
     """
     U: tl.constexpr = 2 if PAIRED else 1                                     # rows per column in a slab
     S: tl.constexpr = ROWS // (16 * U)
     NB: tl.constexpr = BLOCK_K // MX_GROUP
     RUN: tl.constexpr = 256 * U                                               # bytes of one slab and group
-    t = tl.arange(0, NB * RUN)
-    group_ok = k0 // MX_GROUP + t // RUN < K // MX_GROUP
-    packed = tl.load(w_e + slab_rows.to(tl.int64)[:, None] * stride_wn + (k0 // MX_GROUP) * RUN + t[None, :],
-                     mask=group_ok[None, :], other=0)
+    if W_TMA:
+        packed, s = _fp4_tma_runs(w_desc, s_desc, tma_e, tma_row // (16 * U), k0 // MX_GROUP, PAIRED, S, NB, RUN,
+                                  16 * U)
+    else:
+        t = tl.arange(0, NB * RUN)
+        group_ok = k0 // MX_GROUP + t // RUN < K // MX_GROUP
+        packed = tl.load(w_e + slab_rows.to(tl.int64)[:, None] * stride_wn + (k0 // MX_GROUP) * RUN + t[None, :],
+                         mask=group_ok[None, :], other=0)
+        ts = tl.arange(0, NB * 16 * U)                                        # the slab's scales, group-major
+        scale_ok = k0 // MX_GROUP + ts // (16 * U) < K // MX_GROUP
+        s = tl.load(w_scale_e + slab_rows.to(tl.int64)[:, None] * stride_wsn + (k0 // MX_GROUP) * 16 * U
+                    + ts[None, :], mask=scale_ok[None, :], other=0)
     packed = tl.reshape(packed, (S, NB, 8, 4, U, 2, 2, 2))                    # slab, group, g, c, u, j, h, p
-    ts = tl.arange(0, NB * 16 * U)                                            # the slab's scales, group-major
-    scale_ok = k0 // MX_GROUP + ts // (16 * U) < K // MX_GROUP
-    s = tl.load(w_scale_e + slab_rows.to(tl.int64)[:, None] * stride_wsn + (k0 // MX_GROUP) * 16 * U + ts[None, :],
-                mask=scale_ok[None, :], other=0)
     s = tl.permute(tl.reshape(s, (S, NB, 2, 8, U)), (0, 1, 3, 4, 2))          # slab, group, g, u, h
     s = tl.reshape(s, (S, NB, 8, 1, U, 1, 2, 1))
     if dtype == tl.bfloat16:
@@ -344,20 +353,36 @@ def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, 
 
 
 @triton.jit
+def _fp4_tma_runs(w_desc, s_desc, tma_e, slab0, g0, PAIRED: tl.constexpr, S: tl.constexpr, NB: tl.constexpr,
+                  RUN: tl.constexpr, SCALES: tl.constexpr):
+    """(values [S, NB * RUN], scales [S, NB * SCALES]) of S slabs from slab0 and NB groups from g0, as TMA copies of
+    boxes of the fragment order's views (launch._weight_descriptors): [E, slabs, K/32, 256] ([2E, ..] with GEMM1's
+    halves as two planes; paired, [E, slabs, K/32, 2, 256]) and the scales' [E, slabs, K/32, SCALES]. Groups and
+    slabs past the bounds come as zeros, which decode to 0: no masks."""
+    if PAIRED:
+        packed = w_desc.load([tma_e, slab0, g0, 0, 0])
+    else:
+        packed = w_desc.load([tma_e, slab0, g0, 0])
+    return (tl.reshape(packed, (S, NB * RUN)),
+            tl.reshape(s_desc.load([tma_e, slab0, g0, 0]), (S, NB * SCALES)))
+
+
+@triton.jit
 def _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4: tl.constexpr,
-             PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
+             PAIRED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+             w_desc, s_desc, tma_e, tma_row, W_TMA: tl.constexpr):
     """acc^T += w[slab rows, k0:k0+BLOCK_K] . a[:, same k]^T for MXFP4 weights in fragment order: one MMA per K
     step, the decoded weights its A operand (the host swaps every such tile: `launch.fragment_tiles`)."""
     tl.static_assert(SWAP_AB, "MXFP4 tiles run swapped (launch.fragment_tiles)")
     w = _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, a.dtype, W_FP4 == 2,
-                           PAIRED, BLOCK_N, BLOCK_K)
+                           PAIRED, BLOCK_N, BLOCK_K, w_desc, s_desc, tma_e, tma_row, W_TMA)
     return _dot(a, w, acc, SWAP_AB)
 
 
 @triton.jit
 def _tma_tile(w_desc, tma_e, tma_row, k0, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
     """The [ROWS, BLOCK_K] weight tile (transposed unless SWAP_AB) as one TMA copy of w_desc's 3-d box at
-    [tma_e, tma_row, k0] (launch._weight_descriptor): [1, ROWS, BLOCK_K] of [E, N, K], or GEMM1's gate and up rows
+    [tma_e, tma_row, k0] (launch._weight_descriptors): [1, ROWS, BLOCK_K] of [E, N, K], or GEMM1's gate and up rows
     as [2, ROWS / 2, BLOCK_K] of [2E, I, K]. The copy engine fills rows and K past the bounds with zeros, so the
     tile needs no address or mask instructions."""
     w = tl.reshape(w_desc.load([tma_e, tma_row, k0]), (ROWS, BLOCK_K))
@@ -370,14 +395,16 @@ def _tma_tile(w_desc, tma_e, tma_row, k0, ROWS: tl.constexpr, BLOCK_K: tl.conste
 def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_rows, col_ok, slab_rows,
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
             UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, w_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0):
+            BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, w_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0,
+            s_desc=None):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes.
 
     w_rows and slab_rows are real rows (`_real_rows`), so the weight loads mask K alone; col_ok masks the block
-    scales of the columns past N. W_TMA: the tile is w_desc's box at [tma_e, tma_row, k0] instead (`_tma_tile`)."""
+    scales of the columns past N. W_TMA: the tile is w_desc's box at [tma_e, tma_row, k0] instead (`_tma_tile`;
+    MXFP4, w_desc's and s_desc's boxes of its slabs: `_fp4_tma_runs`)."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
-                       BLOCK_N, BLOCK_K, SWAP_AB)
+                       BLOCK_N, BLOCK_K, SWAP_AB, w_desc, s_desc, tma_e, tma_row, W_TMA)
     else:
         if W_TMA:
             b = _tma_tile(w_desc, tma_e, tma_row, k0, BLOCK_N, BLOCK_K, SWAP_AB)
@@ -509,15 +536,15 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0):
+        W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
     dynamic per-tensor scale (quant.scale_of_partials).
-    W_TMA (launch._weight_descriptor): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
+    W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
-    columns then alternate gate, up).
+    columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
     """
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -536,7 +563,8 @@ def gemm1_gated_kernel(
     # 1.00-1.04x faster at M=4096 and 1.00-1.06x at M=16384 this way, level below (bench/results, session 23).
     W_COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     j = tl.arange(0, W_COLS)
-    if W_TMA == 2 and GATED:
+    ALTERNATING: tl.constexpr = W_TMA == 2 and GATED and not W_FP4  # accumulator columns gate, up, gate, ...
+    if ALTERNATING:
         w_rows = pid_n * W_COLS + j
         w_ok = w_rows // 2 < N
     else:
@@ -563,10 +591,10 @@ def gemm1_gated_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
-                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA)
+                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc)
     let_next_kernel_launch(PDL)
     acc = _acc_rows_first(acc, SWAP_AB)
-    if GATED and W_TMA == 2:
+    if ALTERNATING:
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     elif GATED:
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -608,7 +636,7 @@ def gemm2_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0):
+        W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_gated_kernel)."""
@@ -633,7 +661,7 @@ def gemm2_weighted_kernel(
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
-                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA)
+                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc)
     let_next_kernel_launch(PDL)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)

@@ -24,6 +24,7 @@ from moerules.quant import Granularity
 from .. import fp4_fragments
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
+from ..mx import MX_GROUP
 from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import Alignment, moe_align
@@ -108,32 +109,51 @@ def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int]:
     return scale.stride(0), (scale.stride(1) if scale.dim() == 3 else 1)
 
 
-# TMA boxes: each dimension at most 256 elements, the K step at least 16 bytes, the weights' rows 16-byte aligned.
+# TMA boxes: each dimension at most 256 elements, the innermost at least 16 bytes, rows 16-byte aligned.
 _TMA_MAX_BOX, _TMA_ALIGN = 256, 16
 
 
-def _weight_descriptor(w: torch.Tensor, g: GemmConfig, *, gemm: int, rows: int, halves: bool) -> dict:
-    """w_desc and W_TMA of a GEMM launch (fused_moe._tma_tile) whose weight tiles hold `rows` rows of w [E, N, K]:
-    with g.TMA, TMA copies of boxes of a 3-d view, GEMM1's gate and up halves as two planes of [2E, I, K]
-    (`halves`), else consecutive rows of [E, N, K]. A config that asks for TMA gets it, or KernelInputError."""
+def _weight_descriptors(weights: MoEWeights, g: GemmConfig, *, gemm: int, rows: int, halves: bool) -> dict:
+    """w_desc, s_desc and W_TMA of a GEMM launch whose weight tiles hold `rows` rows: with g.TMA, TMA boxes of a view
+    of the weights (fused_moe._tma_tile), GEMM1's gate and up halves as two planes (`halves`: [2E, I, ..]).
+    Dense and MXFP8 weights [E, N, K]: boxes of rows. MXFP4 in fragment order: boxes of whole slabs x K/32 groups x
+    their byte runs, and of the scales likewise (s_desc; fused_moe._fp4_tma_runs). A config that asks for TMA gets
+    it, or KernelInputError."""
     if not g.TMA:
-        return dict(w_desc=None, W_TMA=0)
-    box = [2, rows // 2, g.BLOCK_K] if halves else [1, rows, g.BLOCK_K]
-    problem = _tma_problem(w, box)
-    if problem:
-        raise KernelInputError(f"gemm{gemm}: the config asks for TMA weight copies, which cannot read these weights "
-                               f"({problem}); set \"TMA\": false in that config")
-    view = w.view(2 * w.shape[0], w.shape[1] // 2, w.shape[2]) if halves else w
-    return dict(w_desc=TensorDescriptor.from_tensor(view, box), W_TMA=1 if halves else 2)
+        return dict(w_desc=None, s_desc=None, W_TMA=0)
+    w, scale = (weights.w13, weights.w13_scale) if gemm == 1 else (weights.w2, weights.w2_scale)
+    planes = 2 if halves else 1
+    E, N = w.shape[0] * planes, w.shape[1] // planes
+    if not w.is_contiguous() or (scale is not None and not scale.is_contiguous()):
+        raise KernelInputError(f"gemm{gemm}: the config asks for TMA weight copies, which read contiguous weights "
+                               "and scales only; set \"TMA\": false in that config")
+    if weights.scheme.k_pack == 2:
+        pairs = gemm == 1 and weights.fp4_fragment_order == fp4_fragments.PAIRS
+        slab, run = fp4_fragments.SLAB * (2 if pairs else 1), [2, 256] if pairs else [256]
+        groups = w.shape[2] * 2 // MX_GROUP
+        boxes = {"w_desc": (w.view(E, N // slab, groups, *run), [planes, rows // planes // slab, g.BLOCK_K // MX_GROUP,
+                                                                  *run]),
+                 "s_desc": (scale.view(E, N // slab, groups, slab), [planes, rows // planes // slab,
+                                                                     g.BLOCK_K // MX_GROUP, slab])}
+    else:
+        boxes = {"w_desc": (w.view(E, N, w.shape[2]), [planes, rows // planes, g.BLOCK_K])}
+    descriptors = dict(s_desc=None, W_TMA=1 if halves else 2)
+    for name, (view, box) in boxes.items():
+        problem = _tma_problem(view, box)
+        if problem:
+            raise KernelInputError(f"gemm{gemm}: the config asks for TMA weight copies, which cannot read these "
+                                   f"weights ({problem}); set \"TMA\": false in that config")
+        descriptors[name] = TensorDescriptor.from_tensor(view, box)
+    return descriptors
 
 
-def _tma_problem(w: torch.Tensor, box: list[int]) -> Optional[str]:
-    """Why the copy engine cannot read boxes `box` of w, or None."""
-    size = w.element_size()
-    if not w.is_contiguous() or w.data_ptr() % _TMA_ALIGN or (w.shape[-1] * size) % _TMA_ALIGN:
-        return f"rows of {w.shape[-1]} x {size} bytes, contiguous and {_TMA_ALIGN}-byte aligned, are needed"
+def _tma_problem(view: torch.Tensor, box: list[int]) -> Optional[str]:
+    """Why the copy engine cannot read boxes `box` of a view of contiguous weights, or None."""
+    size = view.element_size()
+    if view.data_ptr() % _TMA_ALIGN or (view.shape[-1] * size) % _TMA_ALIGN:
+        return f"rows of {view.shape[-1]} x {size} bytes, {_TMA_ALIGN}-byte aligned, are needed"
     if max(box) > _TMA_MAX_BOX or box[-1] * size < _TMA_ALIGN:
-        return f"box {box}: each dimension at most {_TMA_MAX_BOX}, the K step at least {_TMA_ALIGN} bytes"
+        return f"box {box}: each dimension at most {_TMA_MAX_BOX}, the innermost at least {_TMA_ALIGN} bytes"
     return None
 
 
@@ -261,8 +281,8 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
         AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device),
-        **_weight_descriptor(weights.w13, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
-                             halves=weights.gated and not interleaved))
+        **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
+                              halves=weights.gated and not interleaved))
     return amax
 
 
@@ -296,4 +316,4 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
         weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
         HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
         **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
-        **_weight_descriptor(weights.w2, g, gemm=2, rows=g.BLOCK_N, halves=False))
+        **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))

@@ -1,9 +1,9 @@
 """Weight tiles copied by TMA (GemmConfig.TMA, fused_moe._tma_tile) compute the same layer as address loads.
 
-Every non-MX cell, both MMA orientations, the three weight layouts the boxes read: gated halves (silu: two planes
-of [2E, I, K]), interleaved pairs (swigluoai: 2 * BLOCK_N consecutive rows, accumulator columns alternating) and
-non-gated rows; H=160 and I=96 are not multiples of the boxes, so the copy engine's zero fill past N and K is in
-every point. Tolerances are test_fused_moe.py's.
+Every cell (MX included), both MMA orientations, the three weight layouts the boxes read: gated halves (silu: two
+planes of [2E, I, K]), interleaved pairs (swigluoai: 2 * BLOCK_N consecutive rows, accumulator columns alternating;
+MXFP4's paired slabs) and non-gated rows; H=160 and I=96 are not multiples of the boxes, so the copy engine's zero
+fill past N and K is in every point. Tolerances are test_fused_moe.py's.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from moerules.errors import KernelInputError
 from moerules.kernels.scheme import Scheme, scheme_cells
 from moerules.kernels.triton import launch
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config
-from moerules.quant import QuantConfig, QuantFamily
+from moerules.quant import QuantConfig
 
-DENSE_CELLS = [c for c in scheme_cells() if not c.startswith("mx")]
+CELLS = list(scheme_cells())
 _TILE = GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TMA=True)
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="the probe's smoke path runs in the Triton interpreter (CPU)")
@@ -38,8 +38,8 @@ def _run(layer, M, top_k, monkeypatch, **fields):
 
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("activation", [Activation.silu, Activation.swigluoai, Activation.silu_no_mul])
-@pytest.mark.parametrize("cell", DENSE_CELLS)
-def test_tma_tiles_every_dense_cell(cell, activation, swap, poison_empty, monkeypatch):
+@pytest.mark.parametrize("cell", CELLS)
+def test_tma_tiles_every_cell(cell, activation, swap, poison_empty, monkeypatch):
     layer = make_layer("triton.fused_moe", cell, activation=activation, dtype=TRITON_DTYPE, bias=True, device=DEVICE)
     out, ref = _run(layer, 13, 2, monkeypatch, SWAP_AB=swap)
     assert rel_err(out, ref) < triton_tol(cell)
@@ -61,13 +61,9 @@ def test_tma_refuses_rows_the_copy_engine_cannot_read(monkeypatch):
         _run(layer, 4, 2, monkeypatch)
 
 
-@pytest.mark.parametrize("cfg,quant", [
-    (MoEConfig(BLOCK_M=1, gemm1=_TILE, gemm2=_TILE), QuantConfig()),                           # GEMV rows
-    (MoEConfig(BLOCK_M=16, gemm1=_TILE, gemm2=_TILE), QuantConfig(family=QuantFamily.mxfp4_w4a16)),  # MX weights
-])
-def test_tma_configs_outside_the_mma_tiles_of_dense_weights_are_refused(cfg, quant):
-    with pytest.raises(ValueError, match="gemm1: TMA weight copies serve MMA tiles of non-MX weights"):
-        check_config(cfg, Scheme.from_quant(quant))
+def test_tma_config_on_gemv_rows_is_refused():
+    with pytest.raises(ValueError, match=r"gemm1: TMA weight copies serve MMA tiles, not GEMV rows \(BLOCK_M 1\)"):
+        check_config(MoEConfig(BLOCK_M=1, gemm1=_TILE, gemm2=_TILE), Scheme.from_quant(QuantConfig()))
 
 
 @needs_interpreter

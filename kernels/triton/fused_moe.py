@@ -316,7 +316,7 @@ def _mx8_weights(b, w_scale_e, w_rows, stride_wsn, k0, K, dtype: tl.constexpr, S
 @triton.jit
 def _fp4_fragment_tile(w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, dtype: tl.constexpr,
                        FOLDED: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                       w_desc=None, s_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0):
+                       w_desc, s_desc, tma_e, tma_row, W_TMA: tl.constexpr):
     """The [ROWS, BLOCK_K] weight tile at k0 of fragment-order MXFP4 weights (fp4_fragments.py), decoded to dtype.
 
     slab_rows: the first row of each slab the tile reads, in tile order (16 rows; PAIRED, the paired layout of

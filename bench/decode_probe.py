@@ -7,14 +7,13 @@ one profiled replay, each GPU kernel's duration and the span from the first kern
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench, captured_graph  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, captured_graph, report_row  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 
@@ -52,9 +51,7 @@ def main(argv=None) -> int:
                 span = trace[-1][1] + trace[-1][2] - trace[0][1] if trace else 0.0
                 row = {"model": name, "scheme": sname, "M": M, "forward_us": forward, "span_us": span,
                        "kernels_us": sum(t[2] for t in trace), "kernels": [(n, round(d, 2)) for n, _, d in trace]}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                Path(args.out, "decode_probe.json").write_text(json.dumps(rows, indent=1))
+                report_row(rows, row, Path(args.out, "decode_probe.json"))
     return 0
 
 

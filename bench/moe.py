@@ -100,6 +100,14 @@ def time_us(fn, *, graph: bool, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
 
 
+def report_row(rows: list[dict], row: dict, path: Path) -> None:
+    """A probe's row: appended, printed as one JSON line, and every row so far rewritten to path (a run cut short by
+    the device's time limit keeps what it measured)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    path.write_text(json.dumps(rows, indent=1))
+
+
 def fastest_alternating(time_us: Callable, rounds: int, sides: dict[str, dict[str, Callable]]) -> dict[str, float]:
     """`{side}{part}_us`: the fastest of `rounds` timings of each side's parts, the sides alternating which goes first.
 

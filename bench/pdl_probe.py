@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench, fastest_alternating  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, fastest_alternating, report_row  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 from moerules.kernels.triton import align, launch, quant, topk_sum  # noqa: E402
@@ -65,9 +64,8 @@ def main(argv=None) -> int:
         sides["sum_ours"] = {"": lambda: topk_sum.topk_sum(slots, k)}
         sides["sum_torch"] = {"": lambda: slots.view(-1, k, slots.shape[1]).sum(dim=1)}
         times = fastest_alternating(b.time_us, args.rounds, sides)
-        rows.append({"point": point, **{key: round(t, 1) for key, t in times.items()}})
-        print(json.dumps(rows[-1]), flush=True)
-        Path(args.out, "pdl_probe.json").write_text(json.dumps(rows, indent=1))
+        report_row(rows, {"point": point, **{key: round(t, 1) for key, t in times.items()}},
+                   Path(args.out, "pdl_probe.json"))
     return 0
 
 

@@ -7,7 +7,6 @@ against today's one padded launch. The alignments are built on the host (not tim
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, fastest_alternating, rel_err, report_row, tolerance  # noqa: E402
 
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme  # noqa: E402
 from moerules.kernels.triton import launch  # noqa: E402
@@ -86,9 +85,7 @@ def main(argv=None) -> int:
             layer = b.layer(name, cell, "triton.fused_moe")
             w = layer.weights
             for M in args.ms:
-                rows.append(point(b, layer, w, name, sname, M, args.rounds))
-                print(json.dumps(rows[-1]), flush=True)
-                Path(args.out, "tail_probe.json").write_text(json.dumps(rows, indent=1))
+                report_row(rows, point(b, layer, w, name, sname, M, args.rounds), Path(args.out, "tail_probe.json"))
     return 0
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_alternating  # noqa: E402
+from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_alternating, report_row  # noqa: E402
 from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
@@ -155,9 +154,7 @@ def main(argv=None) -> int:
         row |= ratios(times, gemms=args.gemms)
         if args.install and not errors:
             install(b, name, layer, M, row)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(args.out, "tma_probe.json").write_text(json.dumps(rows, indent=1))
+        report_row(rows, row, Path(args.out, "tma_probe.json"))
     return 0
 
 

@@ -107,14 +107,17 @@ def ratios(times: dict, *, gemms: bool) -> dict:
 
 
 def install(b: Bench, name: str, layer, M: int, row: dict) -> None:
-    """Each GEMM's faster load (TMA only if INSTALL_MARGIN faster) into the tuned file's entry at M."""
+    """Each GEMM's faster load (TMA only if INSTALL_MARGIN faster) into the tuned file's entry at M. An entry the
+    decision does not change is left as it is written; a missing one is made from the config in use."""
     model, w = b.models[name], layer.weights
     tma = [row.get(f"tma_gemm{i}_us", math.inf) < (1 - INSTALL_MARGIN) * row.get(f"address_gemm{i}_us", 0)
            for i in (1, 2)]
+    row["installed_tma"] = tma
     in_use = launch.config_for(w, num_tokens=M, top_k=model.k, device=b.device)
     table = b.existing_table(model, w.scheme)
+    if str(M) in table and [in_use.gemm1.TMA, in_use.gemm2.TMA] == tma:
+        return
     table[str(M)] = with_tma(in_use, *tma).to_dict()
-    row["installed_tma"] = tma
     b.write_config(model, w.scheme, table)
 
 

@@ -17,10 +17,15 @@
 #             tree has renamed) and of this tree, in one session, this tree's rows with their ratio to the base's:
 #             COMPARE_MODELS (default both gpt-oss), COMPARE_SCHEMES (default mxfp4), COMPARE_MS (default 16 256
 #             4096), COMPARE_NAME (default compare) names the output, COMPARE_SECONDS (default 100) caps each side
+#   compare_gemms  the side-by-side with vLLM 0.33 (--per-gemm, 2 rounds) run by the code in carry/base, then by this
+#             tree, on COMPARE_MODELS x COMPARE_SCHEMES (default bf16 fp8_tensor) x COMPARE_MS: our GEMMs old and new,
+#             each against vLLM's timed in the same run (the clock's drift between the two runs cancels in the ratio)
 #   tk        MXFP4 against triton_kernels (bench/tk_mxfp4.py, 2 rounds; TK_ARGS adds options, TK_NAME names the
 #             output, TK_SECONDS caps it); needs carry/triton_kernels (bench/get_triton_kernels.sh)
 #   profile_mx  ncu (hardware counters, clocks left alone) of triton_kernels' and our MXFP4 GEMMs, once each, on
 #             PROFILE_MODELS (default gpt-oss-120b) at PROFILE_MS (default 256): bench/tk_mxfp4.py --profile
+#   profile_vllm  ncu of vLLM 0.33's two Triton GEMMs and ours, once each, at PROFILE_POINTS (model:scheme:M, default
+#             the weakest side-by-side points): bench/vllm_triton.py --profile; PROFILE_SECONDS caps each point
 #   gemv_probe  which fragment-order MXFP4 GEMV tiles compute right (bench/fp4_gemv_probe.py)
 #   tune_mx   tune TUNE_MX_SCHEMES (default mxfp4) on TUNE_MX_MODELS (default both gpt-oss) at TUNE_MS (default 16 64
 #             256), TUNE_SECONDS each; TUNE_ARGS adds bench/moe.py options (e.g. --seeds-only)
@@ -90,6 +95,18 @@ profile_mx() {
     --tk-dir carry/triton_kernels --models ${PROFILE_MODELS:-gpt-oss-120b} --ms ${PROFILE_MS:-256} \
     --out "$out/profile" > "$out/ncu_mx.log" 2>&1
 }
+profile_vllm() {
+  local sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+  sections="$sections --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+  local point model scheme m
+  for point in ${PROFILE_POINTS:-mixtral-8x7b:fp8_tensor:1024 deepseek-v3:fp8_block:4096 qwen3-30b-a3b:fp8_tensor:4096}; do
+    IFS=: read -r model scheme m <<< "$point"
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_SECONDS:-150}" ncu --clock-control none --profile-from-start off -k "regex:kernel" $sections \
+      python3 bench/vllm_triton.py --profile --vllm-dir carry/vllm033 --models "$model" --schemes "$scheme" --ms "$m" \
+      --out "$out/profile_vllm/$model-$scheme-$m" > "$out/ncu_vllm_$model-$scheme-$m.log" 2>&1
+  done
+}
 tests_mx() {
   timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_mx.py tests/kernels/test_e2m1_ptx.py \
     tests/kernels/test_fp4_fragments.py tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1 or fragment" -q -n 8 --tb=line \
@@ -105,6 +122,17 @@ compare() {
     > "$dir/base.log" 2>&1
   # shellcheck disable=SC2086
   timeout "$secs" python3 bench/moe.py $args --baseline "$dir/base/results.json" --out "$dir/new" > "$dir/new.log" 2>&1
+}
+compare_gemms() {
+  local args="--per-gemm --rounds 2 --vllm-dir carry/vllm033 --models ${COMPARE_MODELS:-mixtral-8x7b qwen3-30b-a3b}"
+  local dir=$out/${COMPARE_NAME:-compare_gemms} secs=${COMPARE_SECONDS:-150}
+  args="$args --schemes ${COMPARE_SCHEMES:-bf16 fp8_tensor} --ms ${COMPARE_MS:-1024 4096}"
+  mkdir -p "$dir"
+  # shellcheck disable=SC2086
+  PYTHONPATH=/tmp/site:$PWD/carry/base timeout "$secs" python3 carry/base/bench/vllm_triton.py $args --out "$dir/base" \
+    > "$dir/base.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "$secs" python3 bench/vllm_triton.py $args --out "$dir/new" > "$dir/new.log" 2>&1
 }
 gemv_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/fp4_gemv_probe.py --out "$out" > "$out/gemv_probe.log" 2>&1

@@ -100,6 +100,19 @@ def time_us(fn, *, graph: bool, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
 
 
+def profiled_once(fns: list[Callable]) -> None:
+    """Each of fns once between cudaProfilerStart and Stop, which is all `ncu --profile-from-start off` profiles;
+    each was run once before, so compilation stays outside the profiled window. Nothing is timed."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def report_row(rows: list[dict], row: dict, path: Path) -> None:
     """A probe's row: appended, printed as one JSON line, and every row so far rewritten to path (a run cut short by
     the device's time limit keeps what it measured)."""

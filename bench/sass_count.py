@@ -237,7 +237,10 @@ def peer_launches(tk_dir: Path, model, M: int) -> list[Launch]:
 def compile_sm90(item: Launch):
     """The launch compiled as a GPU run would compile it, for sm_90."""
     kernel, kwargs = item.kernel, dict(item.kwargs)
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg") if name in kwargs}
+    # What the launchers turn on for a CUDA device only (pdl.pdl_kwargs, device.ptx_math), off in this CPU capture.
+    kwargs.update({flag: True for flag in ("PDL", "PTX_MATH") if flag in kernel.arg_names})
+    kwargs.pop("launch_pdl", None)
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = kwargs.get(name, param.default)
@@ -302,6 +305,7 @@ def count(item: Launch, workdir: Path) -> dict:
     return {"kernel": compiled.name, "BLOCK_M": k["BLOCK_M"], "BLOCK_N": k["BLOCK_N"], "BLOCK_K": k["BLOCK_K"],
             "warps": k["num_warps"], "stages": k["num_stages"], "swap_ab": k.get("SWAP_AB", False),
             "loop_instructions": len(loop), "per_weight": round(len(loop) / weights_per_thread, 2),
+            "outside_loop": len(_INSTRUCTION.findall(sass)) - len(loop),
             "registers": registers, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared, "mma": mma,
             "loop_memory": memory, "loop_syncs": syncs}
 
@@ -330,6 +334,7 @@ def line(row: dict) -> str:
     side = "" if row["side"] == "moerules" else f"{row['side']} "
     return (f"{row['model']:14s} {row['scheme']:6s} M={row['M']:<6d} {side}GEMM{row['gemm']} {tile}"
             f"{' swap' if row['swap_ab'] else ''}: loop {row['loop_instructions']} ({row['per_weight']}/weight), "
+            f"{row['outside_loop']} outside it, "
             f"{row['registers']} regs, {row['stack_bytes']} B stack, {row['shared_bytes']} B smem, "
             f"{'/'.join(row['mma']) or 'no MMA'}, {row['loop_memory']}, waits {row['loop_syncs']}")
 

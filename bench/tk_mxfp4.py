@@ -67,7 +67,8 @@ from typing import Any, Callable
 import torch
 import triton
 
-from moe import EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance
+from moe import (EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_alternating, profiled_once, rel_err,
+                 tolerance)
 from moerules.activation import SwigluParams
 from moerules.kernels.scheme import Scheme
 from moerules.kernels.triton.quant import dequantize_mx
@@ -356,14 +357,7 @@ class TkSideBySide:
                 tk_side, our_side = self.sides(name, layer, moe, M)
                 row = self.check(name, M, tk_side, our_side)
                 ok &= row["ok"]
-                for side in (tk_side, our_side):  # warm-up: compilation stays outside the profiled window
-                    side.gemms()
-                torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStart()
-                for side in (tk_side, our_side):
-                    side.gemms()
-                torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStop()
+                profiled_once([tk_side.gemms, our_side.gemms])
                 self.bench.log(f"{'ok  ' if row['ok'] else 'FAIL'} {name} M={M}: profiled triton_kernels' GEMMs, then "
                                f"ours (rel err out {row['rel_err']:.1e}, GEMM1 {row['gemm1_rel_err']:.1e})")
         return ok

@@ -3,6 +3,7 @@
     bash bench/get_vllm_triton.sh                      # once: vLLM's fused_moe.py + configs/ -> carry/vllm033
     python bench/vllm_triton.py --out DIR [--vllm-dir carry/vllm033] [--models ..] [--schemes ..] [--ms ..] [--per-gemm]
     TRITON_INTERPRET=1 python bench/vllm_triton.py --smoke --out DIR   # tiny fp16 shapes on the CPU
+    ncu --profile-from-start off ... python bench/vllm_triton.py --profile ...   # bench/gpu_steps.sh profile_vllm
 
 What runs on the vLLM side is vLLM's own code, read at run time from its `fused_moe.py` (never
 copied here): the @triton.jit `fused_moe_kernel` (and `write_zeros_to_output`), its launcher
@@ -62,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe import MODELS, TIMED_SCHEMES, Bench, fastest_alternating, rel_err, tolerance
+from moe import MODELS, TIMED_SCHEMES, Bench, fastest_alternating, profiled_once, rel_err, tolerance
 from moerules.kernels.activations import apply_activation
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.triton import launch
@@ -343,6 +344,23 @@ class SideBySide:
         print(self.table(), flush=True)
         return all(r["ok"] for r in self.rows)
 
+    def profile(self) -> bool:
+        """--profile: per point, both sides checked, then vLLM's two GEMMs and ours once inside cudaProfilerStart/Stop
+        (`profiled_once`; bench/gpu_steps.sh profile_vllm). Nothing is timed."""
+        ok = True
+        for name in self.bench.models:
+            for sname in [s for s in self.bench.timed_schemes(name) if s in SCHEMES]:
+                for M in self.bench.ms(sname):
+                    row, vllm, ours = self.compare(name, sname, M)
+                    profiled_once([vllm.launches, ours.launches])
+                    self.stand_ins.alignments = None
+                    ok &= row["ok"]
+                    self.bench.log(f"{'ok  ' if row['ok'] else 'FAIL'} {name} {sname} M={M}: profiled vLLM's GEMM1, "
+                                   f"GEMM2, then ours (rel err GEMM1 {row['gemm1_rel_err']:.1e}, out "
+                                   f"{row['rel_err']:.1e}); vLLM {_vllm_tiles(row['vllm_config']['launched'])}, "
+                                   f"ours {_our_tiles(row['ours_config'])}")
+        return ok
+
     def point(self, name: str, sname: str, M: int) -> dict:
         """Checked, then timed: vLLM's two GEMMs and ours (--per-gemm: also each GEMM alone)."""
         try:
@@ -503,11 +521,17 @@ def main(argv=None) -> int:
                    help="time each side this many times, alternating which goes first, and keep each side's fastest")
     p.add_argument("--per-gemm", action="store_true",
                    help="also time each side's GEMM1 and GEMM2 alone (columns in results.json; about doubles the run)")
+    p.add_argument("--profile", action="store_true",
+                   help="time nothing: run each side's GEMMs once inside cudaProfilerStart/Stop, for ncu "
+                        "--profile-from-start off (bench/gpu_steps.sh profile_vllm)")
     args = p.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment")
+    if args.profile and (args.smoke or not torch.cuda.is_available()):
+        sys.exit("--profile needs a CUDA GPU (it is for ncu), not --smoke")
     try:
-        ok = SideBySide(args).run()
+        side_by_side = SideBySide(args)
+        ok = side_by_side.profile() if args.profile else side_by_side.run()
     except VllmNotFound as exc:
         sys.exit(f"bench/vllm_triton.py: {exc}")
     if not ok:

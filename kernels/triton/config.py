@@ -3,7 +3,8 @@
 Files live in `kernels/configs/` and are named
     E={E},N={I},device_name={torch device name, spaces -> _},dtype={dtype key}.json
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
-    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB", "TMA"]},
+    {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB", "TMA",
+     "MAXNREG"]},
      "gemm2": {...}}
 and the entry with the nearest M is used (GEMV rows only up to one row per expert, 1/8 for MXFP4: `_entries_for`).
 BLOCK_M is shared because it sets the alignment padding both GEMMs read (1: one slot per block,
@@ -35,6 +36,9 @@ class GemmConfig:
     num_stages: int
     SWAP_AB: bool = False  # weights on the MMA's M side, tokens on its N side (fused_moe._dot)
     TMA: bool = False  # weight tiles copied by the TMA engine (sm_90+), not by address (fused_moe._tma_tile)
+    # ptxas's cap on registers per thread (Triton's maxnreg), for a tile that a few registers more would leave one
+    # program per SM fewer than its shared memory allows (a data file's choice, from a measurement).
+    MAXNREG: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,12 @@ class MoEConfig:
         return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers."""
+        d = asdict(self)
+        for gemm in ("gemm1", "gemm2"):
+            if d[gemm]["MAXNREG"] is None:
+                del d[gemm]["MAXNREG"]
+        return d
 
 
 def dtype_key(scheme: Scheme, in_dtype_name: str) -> str:
@@ -183,6 +192,9 @@ def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
         raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 
 
+_MIN_MAXNREG, _MAX_REGISTERS = 24, 255  # below 24 ptxas cannot place a kernel's fixed registers; sm_90 allows 255
+
+
 def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
     """Reject configs the kernels cannot run correctly (a bad data file must fail loudly)."""
     for name, g in (("gemm1", cfg.gemm1), ("gemm2", cfg.gemm2)):
@@ -191,6 +203,9 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
         if scheme.is_mx and g.BLOCK_K % MX_GROUP:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MX weights (whole "
                              "e8m0 groups per K step)")
+        if g.MAXNREG is not None and not _MIN_MAXNREG <= g.MAXNREG <= _MAX_REGISTERS:
+            raise ValueError(f"{name}: MAXNREG={g.MAXNREG} must be a register count from {_MIN_MAXNREG} to "
+                             f"{_MAX_REGISTERS} (ptxas's per-thread cap), or absent")
         if g.TMA and cfg.BLOCK_M == 1:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:

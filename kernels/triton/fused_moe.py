@@ -429,27 +429,52 @@ def _epilogue_scale(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
                     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
     """Apply the scales that factor out of the K sum (everything except block scales)."""
     acc = acc.to(tl.float32)
-    if A_SCALE == 1:
-        acc = acc * tl.load(a_scale_ptr)
+    if A_SCALE == 1 or W_SCALE == 1:  # the per-tensor and per-expert scales as one factor: one multiply each
+        factor = tl.load(a_scale_ptr) if A_SCALE == 1 else 1.0
+        if W_SCALE == 1:
+            factor = factor * tl.load(w_scale_e)
+        acc = acc * factor
     if A_SCALE == 2:
         acc = acc * tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
-    if W_SCALE == 1:
-        acc = acc * tl.load(w_scale_e)
     if W_SCALE == 2:
         acc = acc * tl.load(w_scale_e + w_rows * stride_wsn, mask=col_ok, other=0.0)[None, :]
     return acc
 
 
+# 1 / (1 + 2^(-x log2 e)) in fp32 by the SFU's approximations with denormals flushed (ex2 within 2 ulp, rcp
+# within 1 ulp: far inside the bf16/fp16 outputs' rounding). tl.sigmoid's exp and division keep denormals, which
+# costs a compare and two predicated multiplies per exp and a range fix-up per reciprocal: at Mixtral-8x7B FP8
+# M=1024 GEMM1's epilogue held about 2,100 instructions per thread against a K loop of 105 per K step, with
+# one 8-warp program per SM and nothing to overlap it (bench/results/s33).
+_SIGMOID_PTX = tl.constexpr("""{
+.reg .f32 t;
+mul.f32 t, $1, 0fBFB8AA3B;
+ex2.approx.ftz.f32 t, t;
+add.f32 t, t, 0f3F800000;
+rcp.approx.ftz.f32 $0, t;
+}""")
+
+
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
+def _sigmoid(x, PTX_MATH: tl.constexpr):
+    """sigmoid(x) of fp32 x; PTX_MATH (compiled for CUDA, not the interpreter): _SIGMOID_PTX."""
+    if PTX_MATH:
+        out = tl.inline_asm_elementwise(_SIGMOID_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        out = tl.sigmoid(x)
+    return out
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr):
     """The elementwise function: silu, gelu (erf), gelu (tanh) or relu^2."""
     if ACTIVATION == 0:
-        out = x * tl.sigmoid(x)
+        out = x * _sigmoid(x, PTX_MATH)
     elif ACTIVATION == 1:
         out = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == 2:
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        out = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
+        out = 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * inner, PTX_MATH) - 1.0))  # tanh via sigmoid
     else:
         out = tl.maximum(x, 0.0)
         out = out * out
@@ -457,15 +482,15 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION: tl.constexpr):
+def _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr):
     """act(gate) * up; swigluoai clamps by the model's limit and scales the sigmoid by its alpha (runtime
     scalars: a model's values never recompile the kernel)."""
     if ACTIVATION == 3:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        out = gate * tl.sigmoid(swiglu_alpha * gate) * (up + 1.0)
+        out = gate * _sigmoid(swiglu_alpha * gate, PTX_MATH) * (up + 1.0)
     else:
-        out = _activation(gate, ACTIVATION) * up
+        out = _activation(gate, ACTIVATION, PTX_MATH) * up
     return out
 
 
@@ -535,8 +560,8 @@ def gemm1_gated_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None):
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, PTX_MATH: tl.constexpr,
+        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -609,9 +634,9 @@ def gemm1_gated_kernel(
         up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
                              lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
                              HAS_LORA, LORA_R)
-        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION)
+        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION, PTX_MATH)
     else:
-        out = _activation(gate, ACTIVATION)
+        out = _activation(gate, ACTIVATION, PTX_MATH)
     stored = out.to(out_ptr.dtype.element_ty)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]

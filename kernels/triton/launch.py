@@ -29,7 +29,7 @@ from ..scheme import Scheme
 from ..weights import MoEWeights
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
-from .device import device_name
+from .device import device_name, ptx_math
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 from .pdl import pdl_kwargs
@@ -159,7 +159,7 @@ def _tma_problem(view: torch.Tensor, box: list[int]) -> Optional[str]:
 
 def _launch_kwargs(g: GemmConfig) -> dict:
     return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
-                num_stages=g.num_stages)
+                num_stages=g.num_stages, **({"maxnreg": g.MAXNREG} if g.MAXNREG is not None else {}))
 
 
 def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots_per_row: int, num_slots: int,
@@ -280,7 +280,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         **flags, **_launch_kwargs(g), GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
         swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
-        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device),
+        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device), **ptx_math(out.device),
         **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                               halves=weights.gated and not interleaved))
     return amax

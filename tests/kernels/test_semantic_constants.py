@@ -55,23 +55,29 @@ UP = torch.tensor([9.0, -9.0, 7.5, -7.2, 3.0, 6.95, -6.95, 8.0, -30.0, 0.5, 7.0,
 
 @triton.jit
 def _activation_kernel(gate_ptr, up_ptr, out_ptr, n, limit, alpha, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       PTX_MATH: tl.constexpr, BLOCK: tl.constexpr):
     """The fused GEMM1 epilogue's activation, elementwise over vectors (no GEMM around it)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
     if GATED:
-        out = _gated_activation(gate, tl.load(up_ptr + offs, mask=mask, other=0.0), limit, alpha, ACTIVATION)
+        up = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        out = _gated_activation(gate, up, limit, alpha, ACTIVATION, PTX_MATH)
     else:
-        out = _activation(gate, ACTIVATION)
+        out = _activation(gate, ACTIVATION, PTX_MATH)
     tl.store(out_ptr + offs, out, mask=mask)
 
 
-def triton_activation(activation: Activation, gate, up, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
-    gate, up = gate.double().to(DEVICE), up.double().to(DEVICE)  # float64: rounding far below any constant's change
+def triton_activation(activation: Activation, gate, up, swiglu: SwigluParams = SwigluParams(), *,
+                      ptx_math: bool = False) -> torch.Tensor:
+    """The device code on gate and up: in float64 (rounding far below any constant's change), or with ptx_math in
+    fp32 (the sigmoid's PTX takes fp32), as the GPU GEMMs compute it."""
+    dtype = torch.float32 if ptx_math else torch.float64
+    gate, up = gate.to(DEVICE, dtype), up.to(DEVICE, dtype)
     out = torch.empty_like(gate)
     _activation_kernel[(1,)](gate, up, out, gate.numel(), swiglu.limit, swiglu.alpha, GATED=activation.gated,
-                             ACTIVATION=ACTIVATION_CODE[activation], BLOCK=triton.next_power_of_2(gate.numel()))
+                             ACTIVATION=ACTIVATION_CODE[activation], PTX_MATH=ptx_math,
+                             BLOCK=triton.next_power_of_2(gate.numel()))
     return out.cpu()
 
 
@@ -98,6 +104,26 @@ def test_swigluoai_defaults_compute_gpt_oss_swiglu(source):
     # so 1e-6: still a thousand times under what alpha 1.702 -> 1.7 or any limit change moves.
     torch.testing.assert_close(triton_activation(Activation.swigluoai, GATE, UP, swiglu), expected, rtol=1e-6,
                                atol=1e-6)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the sigmoid's PTX (fused_moe._SIGMOID_PTX) compiles for CUDA only")
+@pytest.mark.parametrize("activation", list(ACTIVATION_CODE))
+def test_the_ptx_sigmoid_computes_torchs_activations(activation):
+    """What the GPU GEMMs run: fp32 with the SFU's flushed approximations, within 2e-6 of torch in float64 (ex2 and
+    rcp err by 2 and 1 ulp; fp32 itself rounds at 6e-8), with torch's fp32 NaN and infinities at the edges."""
+    x = torch.cat([torch.linspace(-40, 40, 161), torch.tensor([-100.0, 100.0])])
+    up = torch.linspace(-9, 9, x.numel())
+    if activation in TORCH_ACT:
+        expected = TORCH_ACT[activation](x.double()) * (up.double() if activation.gated else 1.0)
+    else:  # the swigluoai codes
+        expected = gpt_oss_swiglu(x, up)
+    got = triton_activation(activation, x, up, ptx_math=True)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=1e-6)
+    edges = torch.tensor([float("-inf"), float("inf"), float("nan")])
+    if activation in (Activation.silu, Activation.silu_no_mul, Activation.gelu_tanh):  # their sigmoid is the PTX
+        expected = TORCH_ACT[activation](edges)
+        torch.testing.assert_close(triton_activation(activation, edges, torch.ones(3), ptx_math=True), expected,
+                                   equal_nan=True)
 
 
 @pytest.mark.parametrize("activation", [a for a in ACTIVATION_CODE if a in TORCH_ACT])

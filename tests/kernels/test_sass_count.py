@@ -59,6 +59,37 @@ def test_gemm1_epilogue_amax_is_computed_once(tmp_path):
     assert gemm1["registers"] <= 128
 
 
+_GPT_OSS_BF16_4096 = {"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8,
+                                                 "num_stages": 3, "TMA": True},
+                      "gemm2": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 3}}
+
+
+@pytest.mark.parametrize("cap", [None, 128])
+def test_the_register_cap_keeps_two_programs_per_sm(tmp_path, cap):
+    """gpt-oss-120b bf16 M=4096, the H200 file's GEMM1 tile (8 warps, 98 KB shared: room for two programs per SM):
+    with the PTX sigmoid it compiled to 130 registers, one program per SM, and ran 1.32x slower on the H200; the
+    file's MAXNREG 128 makes ptxas fit it in 128 with nothing spilled (bench/results/s33)."""
+    config = json.loads(json.dumps(_GPT_OSS_BF16_4096))
+    if cap:
+        config["gemm1"]["MAXNREG"] = cap
+    done = _run(tmp_path, "--models", "gpt-oss-120b", "--schemes", "bf16", "--ms", "4096", "--config",
+                json.dumps(config))
+    assert done.returncode == 0, done.stderr
+    gemm1 = json.loads((tmp_path / "results.json").read_text())[0]
+    assert gemm1["stack_bytes"] == 0
+    assert (gemm1["registers"] > 128) == (cap is None), gemm1["registers"]
+
+
+def test_the_ptx_sigmoid_shortens_gemm1s_epilogue(tmp_path):
+    """Mixtral-8x7B FP8 per tensor M=1024 on the H200 file's tiles (one 8-warp program per SM, nothing to overlap
+    its epilogue): with tl.sigmoid and two scale multiplies 2719 instructions lay outside the K loop, with the PTX
+    sigmoid and one scale factor 2079 (Triton 3.6.0); GEMM1 ran 1.02-1.035x faster on the H200 (bench/results/s33)."""
+    done = _run(tmp_path, "--models", "mixtral-8x7b", "--schemes", "fp8_tensor", "--ms", "1024")
+    assert done.returncode == 0, done.stderr
+    gemm1 = json.loads((tmp_path / "results.json").read_text())[0]
+    assert gemm1["gemm"] == 1 and gemm1["outside_loop"] <= 2200, gemm1
+
+
 CARRIED_TK = Path(__file__).resolve().parents[2] / "carry" / "triton_kernels"
 
 

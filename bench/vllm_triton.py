@@ -489,6 +489,7 @@ def _vllm_tiles(c: dict) -> str:
 def _our_tiles(c: dict) -> str:
     def gemm(g):
         flags = "".join(f" {f}" for f, on in (("swap", g.get("SWAP_AB")), ("tma", g.get("TMA"))) if on)
+        flags += f" maxnreg {g['MAXNREG']}" if g.get("MAXNREG") else ""
         return f"N{g['BLOCK_N']} K{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}{flags}"
     return f"M{c['BLOCK_M']}; 1: {gemm(c['gemm1'])}; 2: {gemm(c['gemm2'])}"
 

@@ -112,27 +112,26 @@ tests_mx() {
     tests/kernels/test_fp4_fragments.py tests/kernels/test_fused_moe.py tests/kernels/test_decision_walk.py -k "mx or e2m1 or fragment" -q -n 8 --tb=line \
     -p no:benchmark -p no:cacheprovider 2>&1 | tail -40 > "$out/pytest.log"
 }
-compare() {
-  local args="--phase bench --models ${COMPARE_MODELS:-gpt-oss-120b gpt-oss-20b} --schemes ${COMPARE_SCHEMES:-mxfp4}"
-  local dir=$out/${COMPARE_NAME:-compare} secs=${COMPARE_SECONDS:-100}
-  args="$args --ms ${COMPARE_MS:-16 256 4096}"
+base_then_new() {  # base_then_new DIR SECONDS SCRIPT ARGS...: carry/base's bench/SCRIPT, then this tree's (with NEW_ARGS)
+  local dir=$1 secs=$2 script=$3
+  shift 3
   mkdir -p "$dir"
-  # shellcheck disable=SC2086
-  PYTHONPATH=/tmp/site:$PWD/carry/base timeout "$secs" python3 carry/base/bench/moe.py $args --out "$dir/base" \
+  PYTHONPATH=/tmp/site:$PWD/carry/base timeout "$secs" python3 "carry/base/bench/$script" "$@" --out "$dir/base" \
     > "$dir/base.log" 2>&1
   # shellcheck disable=SC2086
-  timeout "$secs" python3 bench/moe.py $args --baseline "$dir/base/results.json" --out "$dir/new" > "$dir/new.log" 2>&1
+  timeout "$secs" python3 "bench/$script" "$@" ${NEW_ARGS:-} --out "$dir/new" > "$dir/new.log" 2>&1
+}
+compare() {
+  local dir=$out/${COMPARE_NAME:-compare}
+  # shellcheck disable=SC2086
+  NEW_ARGS="--baseline $dir/base/results.json" base_then_new "$dir" "${COMPARE_SECONDS:-100}" moe.py --phase bench \
+    --models ${COMPARE_MODELS:-gpt-oss-120b gpt-oss-20b} --schemes ${COMPARE_SCHEMES:-mxfp4} --ms ${COMPARE_MS:-16 256 4096}
 }
 compare_gemms() {
-  local args="--per-gemm --rounds 2 --vllm-dir carry/vllm033 --models ${COMPARE_MODELS:-mixtral-8x7b qwen3-30b-a3b}"
-  local dir=$out/${COMPARE_NAME:-compare_gemms} secs=${COMPARE_SECONDS:-150}
-  args="$args --schemes ${COMPARE_SCHEMES:-bf16 fp8_tensor} --ms ${COMPARE_MS:-1024 4096}"
-  mkdir -p "$dir"
   # shellcheck disable=SC2086
-  PYTHONPATH=/tmp/site:$PWD/carry/base timeout "$secs" python3 carry/base/bench/vllm_triton.py $args --out "$dir/base" \
-    > "$dir/base.log" 2>&1
-  # shellcheck disable=SC2086
-  timeout "$secs" python3 bench/vllm_triton.py $args --out "$dir/new" > "$dir/new.log" 2>&1
+  base_then_new "$out/${COMPARE_NAME:-compare_gemms}" "${COMPARE_SECONDS:-150}" vllm_triton.py --per-gemm --rounds 2 \
+    --vllm-dir carry/vllm033 --models ${COMPARE_MODELS:-mixtral-8x7b qwen3-30b-a3b} \
+    --schemes ${COMPARE_SCHEMES:-bf16 fp8_tensor} --ms ${COMPARE_MS:-1024 4096}
 }
 gemv_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/fp4_gemv_probe.py --out "$out" > "$out/gemv_probe.log" 2>&1

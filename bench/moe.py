@@ -171,6 +171,7 @@ WEIGHT_BYTES = {"bf16": 2.0, "fp8_tensor": 1.0, "fp8_rowwise": 1.0, "fp8_block":
                 "mxfp8": 1.0 + 1 / 32}
 BF16_RATE = {"bf16", "mxfp4"}
 M_LIST = [1, 16, 64, 256, 1024, 4096, 16384]
+REGISTERS_PER_SM = 65536  # sm_90's register file, per SM
 # Correctness only (not timed): LoRA adapters (rank 16) and the non-gated relu2, on one model.
 FEATURE_CASES = [("lora", "unquantized"), ("lora", "fp8_w8a16/channel"), ("relu2_no_mul", "unquantized"),
                  ("relu2_no_mul", "fp8_w8a8/block128/group128")]
@@ -354,7 +355,7 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA")
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -496,11 +497,22 @@ class Bench:
         columns per warp kept), since one field at a time cannot reach it: a wider tile at the same warps holds a
         wider accumulator per thread (gpt-oss-20b M=256, MXFP4 GEMM1 at 32x128x32: 144 registers at 4 warps, 113 at
         8; bench/results/s26)."""
-        moved = [replace(g, **{field: v}) for v in self.field_values(field, getattr(g, field), m_blocks, gemv=gemv)]
+        values = (self.register_caps(g) if field == "MAXNREG"
+                  else self.field_values(field, getattr(g, field), m_blocks, gemv=gemv))
+        moved = [replace(g, **{field: v}) for v in values]
         if field == "BLOCK_N" and not gemv:
             moved += [replace(m, num_warps=g.num_warps * m.BLOCK_N // g.BLOCK_N) for m in moved
                       if g.num_warps * m.BLOCK_N // g.BLOCK_N in self.WARPS]
         return moved
+
+    @staticmethod
+    def register_caps(g: GemmConfig) -> list:
+        """MAXNREG values other than g's: none, or the most registers per thread at which 2, 3 or 4 programs of g's
+        warps fit an SM's 65536 (DeepSeek-V3 block-128 M=4096: 212 registers, two 4-warp programs; capped at 168,
+        three, and the GEMMs 1.05-1.07x faster on the H200, bench/results/s33)."""
+        per_program = [REGISTERS_PER_SM // (32 * g.num_warps * programs) // 8 * 8 for programs in (2, 3, 4)]
+        caps = [None] + [c for c in per_program if 24 <= c <= 255]
+        return [c for c in caps if c != g.MAXNREG]
 
     def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool) -> list:
         if field == "BLOCK_N":

@@ -41,6 +41,16 @@ def test_other_fields_and_gemv_tiles_move_alone(tuner):
     assert tuner.moves(gemv, "BLOCK_N", 1, gemv=True) == [GemmConfig(8, 512, 1, 4, 2), GemmConfig(32, 512, 1, 4, 2)]
 
 
+def test_register_caps_move_to_one_more_program_per_sm(tuner):
+    """MAXNREG moves (GemmConfig.MAXNREG): none, or the register counts at which 2, 3 or 4 programs of the tile's
+    warps share an SM's 65536 registers (multiples of 8, within ptxas's 24..255)."""
+    g4 = GemmConfig(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    assert [m.MAXNREG for m in tuner.moves(g4, "MAXNREG", 8, gemv=False)] == [168, 128]
+    g8 = dataclasses.replace(g4, num_warps=8, MAXNREG=128)
+    assert [m.MAXNREG for m in tuner.moves(g8, "MAXNREG", 8, gemv=False)] == [None, 80, 64]
+    assert "MAXNREG" in tuner.FIELDS
+
+
 @pytest.mark.parametrize("rows_per_expert, block_m", [(2, 16), (8, 16), (12, 32), (32, 64), (64, 64), (128, 128),
                                                       (512, 128)])
 def test_triton_kernels_mxfp4_seed_takes_its_block_m(tuner, rows_per_expert, block_m):

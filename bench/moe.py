@@ -54,6 +54,7 @@ from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
 from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
                                            config_file_name, default_config, dtype_key)
+from moerules.kernels.triton.device import device_name
 from moerules.kernels.triton.launch import config_for, fragment_tiles, fused_moe
 from moerules.quant import Granularity as G
 from moerules.quant import QuantConfig
@@ -111,6 +112,17 @@ def profiled_once(fns: list[Callable]) -> None:
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def neighbour_entries(table: dict, M: int, *, gemv: bool) -> list[tuple[MoEConfig, str]]:
+    """A tuned file's entries (`table`: M as text -> config) for the nearest M below and above M, as tuner seeds: the
+    sweep moves one field at a time from where it starts, and a neighbour's tile can lie out of its reach (DeepSeek-V3
+    block-128 M=1024 GEMM2 ran 1.19x faster on the M=4096 entry's 4-warp tile, 1.28x with its register cap; H200,
+    bench/results/s33). GEMV entries only where the batch itself may take GEMV rows (`gemv`)."""
+    entries = {int(m): MoEConfig.from_dict(c) for m, c in table.items() if int(m) != M}
+    entries = {m: c for m, c in entries.items() if gemv or c.BLOCK_M != 1}
+    below, above = [m for m in entries if m < M], [m for m in entries if m > M]
+    return [(entries[m], f"the M={m} entry") for m in ([max(below)] if below else []) + ([min(above)] if above else [])]
 
 
 def report_row(rows: list[dict], row: dict, path: Path) -> None:
@@ -220,7 +232,7 @@ class Bench:
         print(*a, flush=True)
 
     def device_name(self) -> str:
-        return "cpu" if self.smoke else torch.cuda.get_device_name()
+        return device_name(self.device)  # "cpu" for the smoke run, as the kernels' config lookup names it
 
     def time_us(self, fn, *, graph: bool, rep: int = 100) -> float:
         if self.smoke:
@@ -438,8 +450,9 @@ class Bench:
 
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
-        seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use) and (--peer-configs) vLLM's; a
-        config that is several of these keeps its first name."""
+        seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use), the tuned file's entries for the
+        nearest smaller and larger M (`neighbour_entries`) and (--peer-configs) vLLM's; a config that is several of
+        these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
         if only_in_use:
@@ -457,6 +470,7 @@ class Bench:
                 named.append((tk, name))
                 if cur.BLOCK_M >= 16:
                     named.append((replace(tk, BLOCK_M=cur.BLOCK_M), f"{name}, at BLOCK_M {cur.BLOCK_M}"))
+        named += neighbour_entries(self.existing_table(model, scheme), M, gemv=M * model.k <= model.E)
         peer = self.peers.at(w, sname, M, model.k) if self.peers else None
         if peer:
             named.append((peer, "vLLM's"))

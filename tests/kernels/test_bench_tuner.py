@@ -51,6 +51,20 @@ def test_register_caps_move_to_one_more_program_per_sm(tuner):
     assert "MAXNREG" in tuner.FIELDS
 
 
+def test_the_nearest_tuned_entries_seed_the_tuner(monkeypatch):
+    moe = bench_module(monkeypatch, "moe")
+    tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    gemv = {"BLOCK_M": 1, "gemm1": {"BLOCK_N": 16, **tile}, "gemm2": {"BLOCK_N": 16, **tile}}
+    mma = {"BLOCK_M": 64, "gemm1": {"BLOCK_N": 64, **tile}, "gemm2": {"BLOCK_N": 128, **tile, "MAXNREG": 168}}
+    table = {"1": gemv, "256": mma, "1024": mma, "4096": dict(mma, BLOCK_M=128)}
+    got = moe.neighbour_entries(table, 1024, gemv=False)
+    assert [name for _, name in got] == ["the M=256 entry", "the M=4096 entry"]
+    assert got[1][0] == MoEConfig.from_dict(table["4096"]) and got[1][0].gemm2.MAXNREG == 168
+    assert [name for _, name in moe.neighbour_entries(table, 16, gemv=False)] == ["the M=256 entry"]
+    assert [name for _, name in moe.neighbour_entries(table, 16, gemv=True)] == ["the M=1 entry", "the M=256 entry"]
+    assert moe.neighbour_entries({}, 16, gemv=True) == []
+
+
 @pytest.mark.parametrize("rows_per_expert, block_m", [(2, 16), (8, 16), (12, 32), (32, 64), (64, 64), (128, 128),
                                                       (512, 128)])
 def test_triton_kernels_mxfp4_seed_takes_its_block_m(tuner, rows_per_expert, block_m):
@@ -75,7 +89,7 @@ def test_mxfp4_seeds_add_the_peer_tiles(tuner, monkeypatch, M, tk_block_m, in_us
     BLOCK_M (8, 32, 128 mean rows per expert) and, where it differs, at the one in use. The MX default is the
     4-warp tile at the BLOCK_M in use, so that seed is "in use" (a config keeps its first name)."""
     model = bench_module(monkeypatch, "moe").MODELS["gpt-oss-120b"]
-    tuner.smoke, tuner.peers, tuner.device = False, None, torch.device("cpu")
+    tuner.smoke, tuner.peers, tuner.device, tuner.in_dtype = False, None, torch.device("cpu"), Dtype.bf16
     w = types.SimpleNamespace(scheme=MXFP4, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
     seeds = tuner.seeds(M, model, w, "mxfp4", only_in_use=False)
     for warps, rows in ((8, 256), (4, 128)):

@@ -10,11 +10,14 @@ add the expand.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import triton
+from triton.runtime.errors import PTXASError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moerules.activation import Activation, SwigluParams
@@ -157,6 +160,21 @@ def _tma_problem(view: torch.Tensor, box: list[int]) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _register_cap_honoured(g: GemmConfig, *, gemm: int) -> Iterator[None]:
+    """A config's MAXNREG too low for its tile stops ptxas (it names the registers it needs): raised as a
+    KernelInputError naming the GEMM, the cap and the fix, not as Triton's compile error."""
+    try:
+        yield
+    except PTXASError as exc:
+        if g.MAXNREG is None:
+            raise
+        needed = re.search(r"register target of (\d+)", str(exc))
+        need = f"ptxas needs at least {needed.group(1)}" if needed else "ptxas cannot compile the tile under it"
+        raise KernelInputError(f"gemm{gemm}: MAXNREG={g.MAXNREG} is too few registers for this tile ({need}); raise "
+                               "the cap or remove it from the tuned config") from None
+
+
 def _launch_kwargs(g: GemmConfig) -> dict:
     return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
                 num_stages=g.num_stages, **({"maxnreg": g.MAXNREG} if g.MAXNREG is not None else {}))
@@ -269,20 +287,21 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
             if _epilogue_amax(weights, out.numel()) else None)
-    gemm1_gated_kernel[(programs,)](
-        x_q, a_scale if a_scale is not None else dummy, weights.w13,
-        weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
-        *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, I, H, top_k,
-        2 if interleaved else 1, 1 if interleaved else I,
-        x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
-        weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-        **flags, **_launch_kwargs(g), GATED=weights.gated,
-        PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
-        swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
-        AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device), **ptx_math(out.device),
-        **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
-                              halves=weights.gated and not interleaved))
+    with _register_cap_honoured(g, gemm=1):
+        gemm1_gated_kernel[(programs,)](
+            x_q, a_scale if a_scale is not None else dummy, weights.w13,
+            weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, I, H, top_k,
+            2 if interleaved else 1, 1 if interleaved else I,
+            x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
+            weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
+            HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
+            **flags, **_launch_kwargs(g), GATED=weights.gated,
+            PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
+            swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
+            AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device), **ptx_math(out.device),
+            **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
+                                  halves=weights.gated and not interleaved))
     return amax
 
 
@@ -308,12 +327,13 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
-    gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
-        inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
-        weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
-        *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
-        inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
-        weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
-        **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
-        **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))
+    with _register_cap_honoured(g, gemm=2):
+        gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
+            inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
+            weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
+            inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
+            weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
+            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
+            **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
+            **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))

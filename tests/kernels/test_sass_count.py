@@ -24,6 +24,15 @@ def _run(out: Path, *args: str, interpret: bool = False) -> subprocess.Completed
                           text=True, timeout=900)
 
 
+def _gemm1_counts(out: Path, model: str, scheme: str, M: int, config: dict) -> dict:
+    """GEMM1's row of one point compiled with `config`."""
+    done = _run(out, "--models", model, "--schemes", scheme, "--ms", str(M), "--config", json.dumps(config))
+    assert done.returncode == 0, done.stderr
+    gemm1 = json.loads((out / "results.json").read_text())[0]
+    assert gemm1["gemm"] == 1, gemm1
+    return gemm1
+
+
 def test_mxfp4_fragment_order_feeds_wgmma_from_registers(tmp_path):
     """gpt-oss-20b at M=16 on the MXFP4 default tiles (triton_kernels' 4-warp shape: 128 weight rows on wgmma's M
     side, 128-deep K): in fragment order each lane reads its packed words with 64- or 128-bit LDS (checkpoint order:
@@ -51,17 +60,9 @@ def test_gemm1_epilogue_amax_is_computed_once(tmp_path):
     amax, one CTA per SM, GEMM1 26% slower on the H200 (bench/results/s30). Read back after the store: 120."""
     tile = {"BLOCK_K": 128, "GROUP_M": 1, "num_warps": 8, "num_stages": 3}
     config = {"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "SWAP_AB": True, **tile}, "gemm2": {"BLOCK_N": 128, **tile}}
-    done = _run(tmp_path, "--models", "gpt-oss-120b", "--schemes", "fp8_tensor", "--ms", "4096", "--config",
-                json.dumps(config))
-    assert done.returncode == 0, done.stderr
-    gemm1 = json.loads((tmp_path / "results.json").read_text())[0]
+    gemm1 = _gemm1_counts(tmp_path, "gpt-oss-120b", "fp8_tensor", 4096, config)
     assert (gemm1["gemm"], gemm1["mma"], gemm1["stack_bytes"]) == (1, ["QGMMA"], 0)
     assert gemm1["registers"] <= 128
-
-
-_GPT_OSS_BF16_4096 = {"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8,
-                                                 "num_stages": 3, "TMA": True},
-                      "gemm2": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 3}}
 
 
 @pytest.mark.parametrize("cap", [None, 128])
@@ -69,27 +70,22 @@ def test_the_register_cap_keeps_two_programs_per_sm(tmp_path, cap):
     """gpt-oss-120b bf16 M=4096, the H200 file's GEMM1 tile (8 warps, 98 KB shared: room for two programs per SM):
     with the PTX sigmoid it compiled to 130 registers, one program per SM, and ran 1.32x slower on the H200; the
     file's MAXNREG 128 makes ptxas fit it in 128 with nothing spilled (bench/results/s33)."""
-    config = json.loads(json.dumps(_GPT_OSS_BF16_4096))
-    if cap:
-        config["gemm1"]["MAXNREG"] = cap
-    done = _run(tmp_path, "--models", "gpt-oss-120b", "--schemes", "bf16", "--ms", "4096", "--config",
-                json.dumps(config))
-    assert done.returncode == 0, done.stderr
-    gemm1 = json.loads((tmp_path / "results.json").read_text())[0]
+    tile = {"BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 3}
+    config = {"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "TMA": True, **tile, **({"MAXNREG": cap} if cap else {})},
+              "gemm2": {"BLOCK_N": 128, **tile}}
+    gemm1 = _gemm1_counts(tmp_path, "gpt-oss-120b", "bf16", 4096, config)
     assert gemm1["stack_bytes"] == 0
     assert (gemm1["registers"] > 128) == (cap is None), gemm1["registers"]
 
 
 def test_the_ptx_sigmoid_shortens_gemm1s_epilogue(tmp_path):
-    """Mixtral-8x7B FP8 per tensor M=1024 on the H200 file's tiles of session 33 (one 8-warp program per SM, nothing to overlap
-    its epilogue): with tl.sigmoid and two scale multiplies 2719 instructions lay outside the K loop, with the PTX
-    sigmoid and one scale factor 2079 (Triton 3.6.0); GEMM1 ran 1.02-1.035x faster on the H200 (bench/results/s33)."""
+    """Mixtral-8x7B FP8 per tensor M=1024 on the H200 file's tiles of session 33 (one 8-warp program per SM,
+    nothing to overlap its epilogue): with tl.sigmoid and two scale multiplies 2719 instructions lay outside the K
+    loop, with the PTX sigmoid and one scale factor 2079 (Triton 3.6.0); GEMM1 ran 1.02-1.035x faster on the H200
+    (bench/results/s33)."""
     tile = {"BLOCK_K": 128, "GROUP_M": 16, "num_warps": 8, "num_stages": 4}
     config = {"BLOCK_M": 128, "gemm1": {"BLOCK_N": 128, "TMA": True, **tile}, "gemm2": {"BLOCK_N": 256, **tile}}
-    done = _run(tmp_path, "--models", "mixtral-8x7b", "--schemes", "fp8_tensor", "--ms", "1024", "--config",
-                json.dumps(config))
-    assert done.returncode == 0, done.stderr
-    gemm1 = json.loads((tmp_path / "results.json").read_text())[0]
+    gemm1 = _gemm1_counts(tmp_path, "mixtral-8x7b", "fp8_tensor", 1024, config)
     assert gemm1["gemm"] == 1 and gemm1["outside_loop"] <= 2200, gemm1
 
 

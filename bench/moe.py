@@ -52,8 +52,8 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
-from moerules.kernels.triton.config import (CONFIG_DIR, GemmConfig, MoEConfig, _load_file, check_config,
-                                           config_file_name, default_config, dtype_key)
+from moerules.kernels.triton.config import (CONFIG_DIR, MAXNREG_RANGE, GemmConfig, MoEConfig, _load_file,
+                                           check_config, config_file_name, default_config, dtype_key)
 from moerules.kernels.triton.device import device_name
 from moerules.kernels.triton.launch import config_for, fragment_tiles, fused_moe
 from moerules.quant import Granularity as G
@@ -525,7 +525,7 @@ class Bench:
         warps fit an SM's 65536 (DeepSeek-V3 block-128 M=4096: 212 registers, two 4-warp programs; capped at 168,
         three, and the GEMMs 1.05-1.07x faster on the H200, bench/results/s33)."""
         per_program = [REGISTERS_PER_SM // (32 * g.num_warps * programs) // 8 * 8 for programs in (2, 3, 4)]
-        caps = [None] + [c for c in per_program if 24 <= c <= 255]
+        caps = [None] + [c for c in per_program if MAXNREG_RANGE[0] <= c <= MAXNREG_RANGE[1]]
         return [c for c in caps if c != g.MAXNREG]
 
     def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool) -> list:

@@ -192,7 +192,7 @@ def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
         raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 
 
-_MIN_MAXNREG, _MAX_REGISTERS = 24, 255  # below 24 ptxas cannot place a kernel's fixed registers; sm_90 allows 255
+MAXNREG_RANGE = (24, 255)  # below 24 ptxas cannot place a kernel's fixed registers; sm_90 allows 255
 
 
 def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
@@ -203,9 +203,10 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
         if scheme.is_mx and g.BLOCK_K % MX_GROUP:
             raise ValueError(f"{name}: BLOCK_K={g.BLOCK_K} must be a multiple of {MX_GROUP} for MX weights (whole "
                              "e8m0 groups per K step)")
-        if g.MAXNREG is not None and not _MIN_MAXNREG <= g.MAXNREG <= _MAX_REGISTERS:
-            raise ValueError(f"{name}: MAXNREG={g.MAXNREG} must be a register count from {_MIN_MAXNREG} to "
-                             f"{_MAX_REGISTERS} (ptxas's per-thread cap), or absent")
+        low, high = MAXNREG_RANGE
+        if g.MAXNREG is not None and not low <= g.MAXNREG <= high:
+            raise ValueError(f"{name}: MAXNREG={g.MAXNREG} must be a register count from {low} to {high} (ptxas's "
+                             "per-thread cap), or absent")
         if g.TMA and cfg.BLOCK_M == 1:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:

@@ -133,19 +133,57 @@ def report_row(rows: list[dict], row: dict, path: Path) -> None:
     path.write_text(json.dumps(rows, indent=1))
 
 
-def fastest_alternating(time_us: Callable, rounds: int, sides: dict[str, dict[str, Callable]]) -> dict[str, float]:
-    """`{side}{part}_us`: the fastest of `rounds` timings of each side's parts, the sides alternating which goes first.
+def interleaved_us(fns: dict[str, Callable], *, rep: int = 100) -> dict[str, float]:
+    """Median µs of each of fns on the GPU: one CUDA graph per fn, replayed in turn within one loop, each replay after
+    an L2 flush (as do_bench); the fn that goes first rotates from turn to turn. About `rep` ms of replays per fn.
 
-    At M >= 4096 the H100's clock drifts between timings: one side timed first read up to 15% apart from
-    itself timed later in the same run, so single timings in a fixed order favour whichever side goes first.
-    """
-    times: dict[str, list[float]] = {}
-    order = list(sides.items())
-    for r in range(rounds):
-        for who, parts in order if r % 2 == 0 else order[::-1]:
-            for part, fn in parts.items():
-                times.setdefault(f"{who}{part}_us", []).append(time_us(fn, graph=True))
-    return {key: min(v) for key, v in times.items()}
+    The clock follows the power draw and drifts within a run. Timed one after the other, vLLM's two GEMMs at
+    Mixtral-8x7B FP8 M=4096 read 2332 us in one H200 run and 2652 us in the next (bench/results/s33), and at M >= 4096
+    on the H100 one side read up to 15% apart from itself timed later. Taken in turn, every fn meets the same drift."""
+    import statistics
+
+    import triton
+    for fn in fns.values():
+        fn()  # compile outside the timed region
+    torch.cuda.synchronize()
+    graphs = {name: captured_graph(fn) for name, fn in fns.items()}
+    driver = triton.runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    names = list(graphs)
+
+    def turns(n: int) -> dict[str, list[float]]:
+        events: dict[str, list] = {name: [] for name in names}
+        for i in range(n):
+            for name in turn_order(names, i):
+                driver.clear_cache(cache)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[name].replay()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize()
+        return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
+
+    try:
+        mean_ms = statistics.fmean(statistics.median(t) for t in turns(3).values())
+        n = max(5, int(rep / mean_ms))
+        turns(max(1, n // 10))  # warm-up
+        return {name: statistics.median(t) * 1e3 for name, t in turns(n).items()}
+    finally:
+        del graphs
+
+
+def turn_order(names: list[str], turn: int) -> list[str]:
+    """The order of `interleaved_us`'s turn number `turn`: names rotated by it, so each goes first as often."""
+    return names[turn % len(names):] + names[:turn % len(names)]
+
+
+def fastest_interleaved(interleaved: Callable, rounds: int, sides: dict[str, dict[str, Callable]]) -> dict[str, float]:
+    """`{side}{part}_us`: the fastest of `rounds` medians of each side's parts, all parts of all sides timed in turn
+    (`interleaved`: `Bench.interleaved_us`)."""
+    fns = {f"{who}{part}": fn for who, parts in sides.items() for part, fn in parts.items()}
+    times = [interleaved(fns) for _ in range(rounds)]
+    return {f"{key}_us": min(t[key] for t in times) for key in fns}
 
 
 @dataclass(frozen=True)
@@ -241,6 +279,11 @@ class Bench:
             fn()
             return (time.perf_counter() - t) * 1e6
         return time_us(fn, graph=graph, rep=rep)
+
+    def interleaved_us(self, fns: dict[str, Callable]) -> dict[str, float]:
+        if self.smoke:
+            return {name: self.time_us(fn, graph=False) for name, fn in fns.items()}
+        return interleaved_us(fns)
 
     # ---- ceilings -------------------------------------------------------------------------
     def ceilings(self):
@@ -384,7 +427,7 @@ class Bench:
     # activations for wgmma, fences and waits twice (bench/sass_count.py). Seeded all the same: the space holds the
     # peer's tile, at a few seconds per point.
     TK_MXFP4_TILES = ({"weight_rows": 256, "num_warps": 8}, {"weight_rows": 128, "num_warps": 4})
-    CONFIRM_ROUNDS = 3  # the winner against the config in use, timed alternately (`tune`)
+    CONFIRM_ROUNDS = 3  # the winner against the config in use, timed in turn (`tune`)
     SMEM_BYTES = 220_000  # H100/H200: 227 KB of shared memory per block, less what Triton keeps for itself
 
     def tune(self):
@@ -393,8 +436,8 @@ class Bench:
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
         field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
         replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
-        faster when the two are timed again, alternating which goes first, CONFIRM_ROUNDS times
-        (`fastest_alternating`): single timings drift at large M."""
+        faster when the two are timed again, in turn, CONFIRM_ROUNDS times (`fastest_interleaved`): single timings
+        drift at large M."""
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell
@@ -437,15 +480,15 @@ class Bench:
 
     def rejection(self, run, best, in_use: MoEConfig, cell: str) -> Optional[str]:
         """Why the sweep's winner `best` (µs, config) must not replace the config in use, or None: its output
-        differs beyond the scheme's tolerance, or timed again against it, alternating, it is not faster."""
+        differs beyond the scheme's tolerance, or timed again against it, in turn, it is not faster."""
         err = rel_err(run(best[1]), run(in_use))
         if not err <= tolerance(cell):  # not NaN either
             return f"gives rel err {err:.1e} against the config in use (tol {tolerance(cell):.0e})"
         sides = {"new": {"": lambda: run(best[1])}, "in_use": {"": lambda: run(in_use)}}
-        again = fastest_alternating(self.time_us, self.CONFIRM_ROUNDS, sides)
+        again = fastest_interleaved(self.interleaved_us, self.CONFIRM_ROUNDS, sides)
         if not again["new_us"] < again["in_use_us"]:
             return (f"ran {best[0]:.1f} us in the sweep, but {again['new_us']:.1f} us against {again['in_use_us']:.1f} "
-                    "us for the config in use timed alternately")
+                    "us for the config in use timed in turn")
         return None
 
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:

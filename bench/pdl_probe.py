@@ -1,5 +1,5 @@
 """Probe: the whole forward with and without dependent launches (kernels/triton/pdl.py) and with torch's top-k sum
-instead of ours (kernels/triton/topk_sum.py), timed alternately in one process; and the top-k sum alone.
+instead of ours (kernels/triton/topk_sum.py), timed in turn in one process; and the top-k sum alone.
 
     python bench/pdl_probe.py --out DIR --points qwen3-30b-a3b:bf16:4096 gpt-oss-20b:mxfp4:16 [--rounds 3]
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench, fastest_alternating, report_row  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, fastest_interleaved, report_row  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 from moerules.kernels.triton import align, launch, quant, topk_sum  # noqa: E402
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         k = ids.shape[1]
         sides["sum_ours"] = {"": lambda: topk_sum.topk_sum(slots, k)}
         sides["sum_torch"] = {"": lambda: slots.view(-1, k, slots.shape[1]).sum(dim=1)}
-        times = fastest_alternating(b.time_us, args.rounds, sides)
+        times = fastest_interleaved(b.interleaved_us, args.rounds, sides)
         report_row(rows, {"point": point, **{key: round(t, 1) for key, t in times.items()}},
                    Path(args.out, "pdl_probe.json"))
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import TIMED_SCHEMES, Bench, fastest_alternating, rel_err, report_row, tolerance  # noqa: E402
+from moe import TIMED_SCHEMES, Bench, fastest_interleaved, rel_err, report_row, tolerance  # noqa: E402
 
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme  # noqa: E402
 from moerules.kernels.triton import launch  # noqa: E402
@@ -143,7 +143,7 @@ def point(b, layer, w, name, sname, M, rounds):
                     continue
                 sides[label] = {"": run}
                 desc[label] = {"big": big.to_dict(), "tail": tail.to_dict()}
-    times = fastest_alternating(b.time_us, rounds, sides)
+    times = fastest_interleaved(b.interleaved_us, rounds, sides)
     base_us = times["base_us"]
     best = min((l for l in sides if l != "base"), key=lambda l: times[f"{l}_us"], default=None)
     best_us = times[f"{best}_us"] if best else None

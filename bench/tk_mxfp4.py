@@ -44,8 +44,8 @@ Same inputs on both sides: x, the top-k ids and the router weights rounded once 
 triton_kernels, :885), the very same MXFP4 bytes. Correctness first, every point: the final [M, H] outputs and
 the GEMM1 outputs (theirs re-ordered to our slot order) as relative Frobenius errors within `moe.tolerance`
 (1e-2 for W4A16). A failing point prints FAIL, stays timed, is left out of the geomeans, and the run exits 1.
-Timed (`moe.time_us`: CUDA-graph replay, do_bench median, L2 flushed), each side `--rounds` times alternating
-which goes first, fastest kept: `forward` (theirs: routing + GEMM1 + GEMM2; ours: the layer call), `gemms`
+Timed (`moe.interleaved_us`: CUDA-graph replays of every part of both sides in turn, L2 flushed before each,
+medians), `--rounds` times, fastest kept: `forward` (theirs: routing + GEMM1 + GEMM2; ours: the layer call), `gemms`
 (both GEMMs, routing and sorting done outside) and each GEMM alone. Their GEMM2 includes the sum over k, ours
 does not (ours is a separate torch sum in `forward`), so the `gemms` ratio slightly favours us; `forward` is
 the like-for-like number. Ratio = theirs / ours (> 1: ours faster); % of floor = `Bench.floor_us` (scheme
@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 import triton
 
-from moe import (EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_alternating, profiled_once, rel_err,
+from moe import (EXTRA_MODELS, MODELS, MX_M_LIST, TIMED_SCHEMES, Bench, fastest_interleaved, profiled_once, rel_err,
                  tolerance)
 from moerules.activation import SwigluParams
 from moerules.kernels.scheme import Scheme
@@ -393,10 +393,10 @@ class TkSideBySide:
                 "ok": out_err <= tol and gemm1_err <= tol}  # False on NaN
 
     def timings(self, tk_side: Contender, our_side: Contender) -> dict:
-        """Each part of each side, `fastest_alternating` over --rounds (bench/moe.py)."""
+        """Each part of each side, `fastest_interleaved` over --rounds (bench/moe.py)."""
         sides = {who: {f"_{part}": getattr(side, part) for part in PARTS}
                  for who, side in (("tk", tk_side), ("ours", our_side))}
-        return fastest_alternating(self.bench.time_us, self.rounds, sides) | {"rounds": self.rounds}
+        return fastest_interleaved(self.bench.interleaved_us, self.rounds, sides) | {"rounds": self.rounds}
 
     def geomeans(self, column: str) -> dict:
         """Per model and overall, over the points that agree."""
@@ -457,7 +457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scheme", default="mxfp4", choices=SCHEMES, help="the weights' MX format (default %(default)s)")
     p.add_argument("--ms", nargs="+", type=positive_int, default=MX_M_LIST, help="token counts (default %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=3,
-                   help="time each side this many times, alternating which goes first; keep each side's fastest")
+                   help="time both sides in turn this many times; keep each side's fastest")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/tk_mxfp4"))
     p.add_argument("--profile", action="store_true",
                    help="time nothing: run each side's GEMMs once inside cudaProfilerStart/Stop, for ncu "

@@ -1,5 +1,5 @@
 """Probe: the weight tiles loaded by address (as tuned) against copied by TMA (GemmConfig.TMA, fused_moe._tma_tile),
-the same tiles otherwise, timed alternately in one process.
+the same tiles otherwise, timed in turn in one process.
 
     python bench/tma_probe.py --out DIR --models mixtral-8x7b deepseek-v3 --schemes bf16 fp8_tensor --ms 16 4096
     python bench/tma_probe.py --out DIR --points qwen3-30b-a3b:fp8_tensor:1024   # single points
@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_alternating, report_row  # noqa: E402
+from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_interleaved, report_row  # noqa: E402
 from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         if "address" in outputs:
             ref = outputs["address"]
             row |= {f"{v}_diff": float((o - ref).norm() / ref.norm()) for v, o in outputs.items() if v != "address"}
-        times = fastest_alternating(b.time_us, args.rounds, sides)
+        times = fastest_interleaved(b.interleaved_us, args.rounds, sides)
         row |= {key: round(t, 1) for key, t in times.items()}
         row |= ratios(times, gemms=args.gemms)
         if args.install and not errors:

@@ -36,7 +36,7 @@ output (before any quantisation), and vLLM's GEMM2 + a torch sum over k against 
 `launch.fused_moe`. (Re-quantising vLLM's own intermediate instead would flip FP8 roundings: two correct
 FP8 pipelines differ by ~2e-2 that way, too close to the tolerance to tell a wrong launch from rounding.)
 A failing point is printed FAIL, left out of the geomeans and makes the run exit 1; it is still timed.
-Timing: `moe.time_us` (do_bench median, L2 flushed before each call, CUDA-graph replay); --smoke
+Timing: `moe.interleaved_us` (CUDA-graph replays of both sides in turn, L2 flushed before each, medians); --smoke
 prints one CPU wall time instead (interpreter, not a measurement). Ratio = vLLM µs / our µs (> 1: we
 are faster). Geomeans of the ratios per scheme and overall.
 """
@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe import MODELS, TIMED_SCHEMES, Bench, fastest_alternating, profiled_once, rel_err, tolerance
+from moe import MODELS, TIMED_SCHEMES, Bench, fastest_interleaved, profiled_once, rel_err, tolerance
 from moerules.kernels.activations import apply_activation
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme
 from moerules.kernels.triton import launch
@@ -378,10 +378,10 @@ class SideBySide:
         return row
 
     def timings(self, vllm: Side, ours: Side) -> dict:
-        """Both GEMMs (--per-gemm: also each alone) of each side, `fastest_alternating` over --rounds."""
+        """Both GEMMs (--per-gemm: also each alone) of each side, `fastest_interleaved` over --rounds."""
         def parts(side: Side) -> dict:
             return {"": side.launches} | ({"_gemm1": side.gemm1, "_gemm2": side.gemm2} if self.per_gemm else {})
-        times = fastest_alternating(self.bench.time_us, self.rounds, {"vllm": parts(vllm), "ours": parts(ours)})
+        times = fastest_interleaved(self.bench.interleaved_us, self.rounds, {"vllm": parts(vllm), "ours": parts(ours)})
         return times | ({"rounds": self.rounds} if self.rounds > 1 else {})
 
     def compare(self, name: str, sname: str, M: int):
@@ -519,7 +519,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/vllm_triton"))
     p.add_argument("--smoke", action="store_true", help="tiny fp16 shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--rounds", type=int, default=1,
-                   help="time each side this many times, alternating which goes first, and keep each side's fastest")
+                   help="time both sides in turn this many times and keep each side's fastest")
     p.add_argument("--per-gemm", action="store_true",
                    help="also time each side's GEMM1 and GEMM2 alone (columns in results.json; about doubles the run)")
     p.add_argument("--profile", action="store_true",

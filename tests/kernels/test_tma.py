@@ -76,7 +76,7 @@ def test_tma_probe_installs_each_gemms_faster_load(monkeypatch, tmp_path):
         monkeypatch.setattr(module, "CONFIG_DIR", tmp_path / "configs")
     config._load_file.cache_clear()
     times = {"address_gemm1_us": 100.0, "tma_gemm1_us": 95.0, "address_gemm2_us": 100.0, "tma_gemm2_us": 99.5}
-    monkeypatch.setattr(probe, "fastest_alternating", lambda time_us, rounds, sides: dict(times))
+    monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: dict(times))
     probe.main(["--smoke", "--gemms", "--install", "--points", "tiny:fp8_tensor:40", "--out", str(tmp_path / "out")])
     config._load_file.cache_clear()
     row, = json.loads((tmp_path / "out" / "tma_probe.json").read_text())

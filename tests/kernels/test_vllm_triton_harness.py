@@ -133,14 +133,23 @@ def test_vllm_imports_are_refused(vt):
     assert guarded("vllm.model_executor.layers.fused_moe", None, None, ("get_config",), 0).get_config() is None
 
 
-def test_rounds_alternate_the_sides_and_keep_each_fastest(vt):
-    """With clock drift, the side timed first has an edge; rounds alternate the order and keep each side's minimum."""
-    order = []
-    drift = iter([10.0, 20.0, 9.0, 8.0, 7.0, 30.0])  # the times the fake clock hands out, in call order
+def test_rounds_time_the_sides_in_turn_and_keep_each_fastest(vt):
+    """Each round times every part of both sides in one interleaved loop; the rounds keep each part's minimum."""
+    rounds = iter([{"vllm": 10.0, "ours": 20.0, "vllm_gemm1": 6.0, "vllm_gemm2": 5.0, "ours_gemm1": 9.0, "ours_gemm2": 8.0},
+                   {"vllm": 12.0, "ours": 7.0, "vllm_gemm1": 4.0, "vllm_gemm2": 6.0, "ours_gemm1": 11.0, "ours_gemm2": 3.0}])
+    asked = []
     sbs = object.__new__(vt.SideBySide)
-    sbs.rounds, sbs.per_gemm = 3, False
-    sbs.bench = types.SimpleNamespace(time_us=lambda fn, graph: (fn(), next(drift))[1])
-    side = {who: vt.Side(gemm1=lambda who=who: order.append(who), gemm2=lambda: None, out=None, gemm1_out=None,
-                         config={}) for who in ("vllm", "ours")}
-    assert sbs.timings(side["vllm"], side["ours"]) == {"vllm_us": 7.0, "ours_us": 9.0, "rounds": 3}
-    assert order == ["vllm", "ours", "ours", "vllm", "vllm", "ours"]
+    sbs.rounds, sbs.per_gemm = 2, True
+    sbs.bench = types.SimpleNamespace(interleaved_us=lambda fns: (asked.append(list(fns)), next(rounds))[1])
+    side = {who: vt.Side(gemm1=lambda: None, gemm2=lambda: None, out=None, gemm1_out=None, config={})
+            for who in ("vllm", "ours")}
+    assert sbs.timings(side["vllm"], side["ours"]) == {
+        "vllm_us": 10.0, "ours_us": 7.0, "vllm_gemm1_us": 4.0, "vllm_gemm2_us": 5.0, "ours_gemm1_us": 9.0,
+        "ours_gemm2_us": 3.0, "rounds": 2}
+    assert asked == [["vllm", "vllm_gemm1", "vllm_gemm2", "ours", "ours_gemm1", "ours_gemm2"]] * 2
+
+
+def test_each_part_goes_first_in_as_many_turns(monkeypatch):
+    moe = bench_module(monkeypatch, "moe")
+    assert [moe.turn_order(["a", "b", "c"], t) for t in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]

@@ -3,7 +3,8 @@
 #   tests     the GPU kernel tests (tests_tiles: only the tile-variant ones)
 #   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py; HARNESS_ARGS
 #             adds its options, e.g. --per-gemm, HARNESS_SECONDS caps it)
-#   tune      tune the points the last side-by-side found weakest (seeded with vLLM's configs; installs the configs)
+#   tune      tune TUNE_POINTS (model:scheme:M; default the weakest of the last side-by-side), TUNE_SECONDS each,
+#             seeded with vLLM's configs and the neighbouring M's entries; installs the configs
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
@@ -50,10 +51,13 @@ tune_one() {  # tune_one SECONDS MODEL [bench/moe.py arguments]
   timeout "$secs" python3 bench/moe.py --phase tune --install-configs --peer-configs carry/vllm033 \
     --out "$out/tune/$model" --models "$model" "$@" 2>&1 | grep -v "^  skip" >> "$out/tune.log"
 }
-tune() {  # the points below 1.00 in the side-by-side of the previous run (run 1: DeepSeek block-128, MXFP4 too)
-  tune_one 60 mixtral-8x7b --schemes fp8_tensor --ms 1024 4096 16384
-  tune_one 35 mixtral-8x7b --schemes bf16 --ms 16384
-  tune_one 45 qwen3-30b-a3b --schemes fp8_tensor --ms 4096 16384
+tune() {  # TUNE_POINTS, model:scheme:M (default the weakest side-by-side points of the last run), TUNE_SECONDS per point
+  local point model scheme m
+  for point in ${TUNE_POINTS:-qwen3-30b-a3b:fp8_tensor:4096 deepseek-v3:fp8_tensor:4096 mixtral-8x7b:fp8_tensor:16384}; do
+    IFS=: read -r model scheme m <<< "$point"
+    # shellcheck disable=SC2086
+    tune_one "${TUNE_SECONDS:-60}" "$model" --schemes "$scheme" --ms "$m" ${TUNE_ARGS:-}
+  done
 }
 decode() {
   tune_one 35 mixtral-8x7b --schemes bf16 fp8_tensor --ms 1

@@ -551,6 +551,22 @@ def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 
 
 @triton.jit
+def _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB: tl.constexpr):
+    """The finite amax of the tile a program stored (`stored` at `out_ptrs` where `tile_ok`).
+
+    From the registers, except for swapped tiles: reduced there, Triton gave the reduction another layout than the
+    store's and computed the whole epilogue twice (gpt-oss-120b FP8 M=4096: 204 registers, not 125; GEMM1 26% slower
+    on the H200 when first seen). Those read the tile back after a barrier (which makes the program's stores visible
+    to it): the same values, at one L1/L2 round trip that nothing overlaps when one program fills an SM."""
+    if SWAP_AB:
+        tl.debug_barrier()
+        values = tl.load(out_ptrs, mask=tile_ok, other=0.0)
+    else:
+        values = tl.where(tile_ok, stored, 0.0)
+    return tl.max(tl.max(_finite_abs(values.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
@@ -643,12 +659,7 @@ def gemm1_gated_kernel(
     out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, stored, mask=tile_ok)
     if AMAX:
-        # Reduced from `stored` itself, Triton gave the reduction another layout and computed the whole epilogue
-        # twice (gpt-oss FP8 at M=4096: 254 registers, not 114; GEMM1 26% slower on the H200). The tile read back
-        # after the barrier (which makes the CTA's stores visible to it) is the same values, at one L1/L2 read.
-        tl.debug_barrier()
-        back = tl.load(out_ptrs, mask=tile_ok, other=0.0)
-        tl.store(amax_ptr + tl.program_id(0), tl.max(tl.max(_finite_abs(back.to(tl.float32)), axis=1), axis=0))
+        tl.store(amax_ptr + tl.program_id(0), _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB))
 
 
 @triton.jit

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from moerules.activation import Activation, Dtype
@@ -18,6 +20,11 @@ from moerules.kernels.scheme import quant_for_cell as quant_of
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Dtype for Triton tests: bf16 where tl.dot computes it right (GPU), fp16 under the interpreter (conftest.py).
 TRITON_DTYPE = Dtype.bf16 if torch.cuda.is_available() else Dtype.fp16
+
+
+def needs_interpreter(why: str) -> pytest.MarkDecorator:
+    """Skip unless the Triton interpreter runs (CPU): `why` says what needs it."""
+    return pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=why)
 
 
 def make_layer(kernel_id: str, cell: str = "unquantized", *, activation=Activation.silu, dtype=Dtype.fp16,

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_helpers import DEVICE, make_layer, random_inputs, reference64, rel_err
 
 from moerules.kernels.qrange import scale_from_amax
 from moerules.kernels.quantize import finite_amax
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
+from moerules.kernels.triton.fused_moe import _stored_amax
 from moerules.kernels.triton.launch import fused_moe
 from moerules.kernels.triton.quant import needs_amax_pass, scale_of_partials
 
@@ -70,3 +73,80 @@ def test_no_amaxes_where_no_amax_pass_would_run(cell, M, poison_empty):
     layer = make_layer("triton.fused_moe", cell, E=4, H=160, I=128, device=DEVICE)
     _, seen, _ = _forward(layer, M, 2)
     assert seen["amaxes"] is None
+
+
+@triton.jit
+def _store_and_take_amax(src_ptr, out_ptr, amax_ptr, rows, cols, SWAP_AB: tl.constexpr, R: tl.constexpr,
+                         C: tl.constexpr):
+    """GEMM1's epilogue in small: cast an [R, C] fp32 tile to out's dtype, store its [rows, cols] corner,
+    write that corner's amax as _stored_amax takes it."""
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    tile_ok = (r < rows)[:, None] & (c < cols)[None, :]
+    stored = tl.load(src_ptr + r[:, None] * C + c[None, :]).to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + r[:, None] * C + c[None, :]
+    tl.store(out_ptrs, stored, mask=tile_ok)
+    tl.store(amax_ptr, _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB))
+
+
+INF, NAN = float("inf"), float("nan")
+R, C, ROWS, COLS = 16, 32, 11, 27   # the tile, and the corner of it a program stores (rows, columns past N)
+
+
+def _amax_in_kernel(tile: torch.Tensor, dtype: torch.dtype, swap: bool) -> tuple[float, torch.Tensor]:
+    """The amax the kernel wrote, and the corner it stored (as fp32: what an amax pass would read)."""
+    out = torch.full((R, C), NAN, dtype=dtype, device=DEVICE)   # unstored memory must not be read
+    amax = torch.full((1,), NAN, device=DEVICE)
+    _store_and_take_amax[(1,)](tile.to(DEVICE), out, amax, ROWS, COLS, SWAP_AB=swap, R=R, C=C)
+    return amax.item(), out[:ROWS, :COLS].float()
+
+
+def _tile_with(*values) -> torch.Tensor:
+    """Values below 1 everywhere, the given ones at spots of the stored corner, and a large value outside it
+    (a row past the block's end and a column past N), which the amax must not see."""
+    tile = torch.rand(R, C, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    for i, value in enumerate(values):
+        tile[2 + i, 5 + 3 * i] = value
+    tile[ROWS, 0] = tile[0, COLS] = 500.0
+    return tile
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("values", [
+    (),                                # the plain max of |x|
+    (-7.5, 3.0),                       # a negative value sets it
+    (INF, -2.0),                       # Inf left out, the next finite value counts
+    (-INF, 4.0),
+    (NAN, -6.0),
+    (INF, -INF, NAN),                  # the finite values below 1 remain
+], ids=["plain", "negative", "inf", "-inf", "nan", "all-kinds"])
+def test_the_stored_amax_is_the_finite_amax_of_what_was_stored(values, dtype, swap):
+    """Both ways _stored_amax takes it (from the registers; read back after a barrier for swapped tiles) give
+    exactly quantize.finite_amax of the stored corner, as stored (in out's dtype: the interpreter rounds fp32 to
+    bf16 otherwise than torch), nothing outside it."""
+    amax, stored = _amax_in_kernel(_tile_with(*values), dtype, swap)
+    assert amax == finite_amax(stored).item()
+    finite = [abs(v) for v in values if abs(v) < INF]
+    if finite:
+        assert amax == max(finite)   # each exact in bf16
+    else:
+        assert 0.9 < amax <= 1.0     # the random values'
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_corner_of_only_non_finite_values_has_amax_zero(swap):
+    tile = torch.full((R, C), NAN)
+    tile[::2] = INF
+    tile[ROWS, 0] = 500.0
+    assert _amax_in_kernel(tile, torch.float16, swap)[0] == 0.0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the interpreter's numpy cast to fp16 warns of the Inf
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_value_that_rounds_to_inf_when_stored_is_left_out(swap):
+    """7e4 is finite in fp32 but Inf in fp16, so the intermediate GEMM2 quantises holds Inf there: the amax is
+    the stored values', as an amax pass over the intermediate would take it (65504 is fp16's largest finite)."""
+    tile = _tile_with(7e4, 65504.0)
+    assert _amax_in_kernel(tile, torch.float16, swap)[0] == 65504.0
+    assert _amax_in_kernel(tile, torch.float32, swap)[0] == 7e4

@@ -14,14 +14,13 @@ skip only when it is absent.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import bench_module
+from kernel_helpers import bench_module, needs_interpreter
 
 from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels import make_random_weights
@@ -32,9 +31,8 @@ from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
 
 REPO = Path(__file__).resolve().parents[2]
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="triton_kernels' routing-metadata kernels run on CPU tensors in the "
-                                              "Triton interpreter only")
+INTERPRETER_ONLY = needs_interpreter("triton_kernels' routing-metadata kernels run on CPU tensors in the "
+                                     "Triton interpreter only")
 
 
 @pytest.fixture
@@ -252,7 +250,7 @@ def test_router_matrix_refuses_mismatched_shapes(tkm):
     assert str(exc.value) == "ids (2, 2) and weights (2, 3) must both be [M, k]"
 
 
-@needs_interpreter
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("M,E,k", [(37, 32, 4), (1, 128, 4), (70, 128, 4)])
 def test_routing_is_the_expert_sorted_permutation_of_our_slots(tkm, tk, M, E, k):
     ids, w = _routing_inputs(M, E, k)
@@ -294,7 +292,7 @@ class _Recorder:
         y.copy_(gather.src_indx[:, None].to(y.dtype).expand_as(y) if gather is not None else torch.ones_like(y))
 
 
-@needs_interpreter
+@INTERPRETER_ONLY
 def test_each_gemm_gets_its_arguments_and_gemm1_rows_return_to_our_slots(tkm, tk):
     M, E, k, H, I = 9, 32, 4, 64, 48
     ids, w = _routing_inputs(M, E, k)

@@ -9,11 +9,10 @@ fill past N and K is in every point. Tolerances are test_fused_moe.py's.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from kernel_helpers import (DEVICE, TRITON_DTYPE, _both_gemms, bench_module, make_layer, random_inputs, reference64,
-                            rel_err)
+from kernel_helpers import (DEVICE, TRITON_DTYPE, _both_gemms, bench_module, make_layer, needs_interpreter, random_inputs,
+                            reference64, rel_err)
 from test_fused_moe import triton_tol
 
 from moerules.activation import Activation
@@ -25,8 +24,7 @@ from moerules.quant import QuantConfig
 
 CELLS = list(scheme_cells())
 _TILE = GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TMA=True)
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="the probe's smoke path runs in the Triton interpreter (CPU)")
+INTERPRETER_ONLY = needs_interpreter("the probe's smoke path runs in the Triton interpreter (CPU)")
 
 
 def _run(layer, M, top_k, monkeypatch, **fields):
@@ -66,7 +64,7 @@ def test_tma_config_on_gemv_rows_is_refused():
         check_config(MoEConfig(BLOCK_M=1, gemm1=_TILE, gemm2=_TILE), Scheme.from_quant(QuantConfig()))
 
 
-@needs_interpreter
+@INTERPRETER_ONLY
 def test_tma_probe_installs_each_gemms_faster_load(monkeypatch, tmp_path):
     """bench/tma_probe.py --gemms --install: TMA goes into the tuned entry of a GEMM only where it timed at least
     INSTALL_MARGIN faster (GEMM1 5% here; GEMM2's 0.5% is inside the margin), and both loads give one output."""

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import types
 
 import pytest
 import torch
-from kernel_helpers import bench_module
+from kernel_helpers import bench_module, needs_interpreter
 
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
 
@@ -35,8 +34,7 @@ def fused_moe_dir(vt):
 
 # The smoke path runs tiny fp16 shapes on CPU tensors through the Triton interpreter; on a GPU machine
 # bench/vllm_triton.py itself checks both sides at every point of the real grid before timing it.
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="the harness's smoke path runs in the Triton interpreter (CPU)")
+INTERPRETER_ONLY = needs_interpreter("the harness's smoke path runs in the Triton interpreter (CPU)")
 
 
 def _side_by_side(vt, tmp_path):
@@ -51,7 +49,7 @@ POINTS = [("tiny", "bf16", 1, False, True), ("tiny", "bf16", 40, False, False), 
           ("tiny", "fp8_block", 40, True, False), ("tiny-oss", "bf16", 5, False, False)]
 
 
-@needs_interpreter
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("model,scheme,M,swap_ab,naive", POINTS)
 def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme, M, swap_ab, naive):
     row, _, _ = _side_by_side(vt, tmp_path).compare(model, scheme, M)
@@ -63,7 +61,7 @@ def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme
     assert row["vllm_config"]["source"] == "get_default_config"  # no tuned file for the CPU
 
 
-@needs_interpreter
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("caught_by", ["rel_err", "gemm1_rel_err"])
 def test_disagreement_fails_the_point(vt, fused_moe_dir, tmp_path, monkeypatch, caught_by):
     """A wrong vLLM launch is caught by its check and left out of the geomeans: GEMM2 without the router

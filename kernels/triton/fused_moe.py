@@ -22,11 +22,6 @@ the weight tile from registers and was issue-bound). MXFP4 0.63-1.01x: the fragm
 and two more barriers per K step on their way from shared memory to registers (bench/sass_count.py --tma). So the
 tuned files choose it per GEMM and M (bench/tma_probe.py --gemms --install).
 
-Decode (the naive assignment of align.py, where block b is slot b): GEMM2 may sum each token's top-k slots itself
-(SUM_TOP_K, `_summed_slots_tile`; config field SUM_TOPK), so no top-k sum kernel follows it, and GEMM1 may ask the
-copy engine to bring each expert's GEMM2 weights into L2 while it streams its own (PREFETCH_W2,
-`_prefetch_share_to_l2`), so GEMM2 reads them from L2.
-
 LoRA (HAS_LORA): `lora_shrink_kernel` first writes scaling * x . A[e]^T per slot ([slots, LORA_R],
 in the activation dtype); the GEMM epilogues add that tile times B[e][rows]^T to each
 accumulator before the activation (GEMM1) or the router weight (GEMM2). LORA_R is the rank

@@ -52,7 +52,6 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
-from moerules.kernels.triton.align import use_naive_assignment
 from moerules.kernels.triton.config import (CONFIG_DIR, MAXNREG_RANGE, GemmConfig, MoEConfig, _load_file,
                                            check_config, config_file_name, default_config, dtype_key)
 from moerules.kernels.triton.device import device_name
@@ -411,8 +410,7 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG", "PREFETCH_W2",
-              "SUM_TOPK")
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -546,23 +544,22 @@ class Bench:
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
         """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
-        naive = use_naive_assignment(M * model.k, model.E)
         for which in ("gemm1", "gemm2"):
             for field in self.args.fields or self.FIELDS:
-                moves = self.moves(getattr(best[1], which), field, m_blocks, gemv=best[1].BLOCK_M == 1, naive=naive)
+                moves = self.moves(getattr(best[1], which), field, m_blocks, gemv=best[1].BLOCK_M == 1)
                 cfgs = [replace(best[1], **{which: g}) for g in moves]
                 found = self.pick(run, self.valid(cfgs, scheme))
                 if found and found[0] < best[0]:
                     best = found
         return best
 
-    def moves(self, g: GemmConfig, field: str, m_blocks: int, *, gemv: bool, naive: bool = False) -> list[GemmConfig]:
+    def moves(self, g: GemmConfig, field: str, m_blocks: int, *, gemv: bool) -> list[GemmConfig]:
         """g with `field` moved to each of its values; a BLOCK_N move also comes with num_warps moved in step (the
         columns per warp kept), since one field at a time cannot reach it: a wider tile at the same warps holds a
         wider accumulator per thread (gpt-oss-20b M=256, MXFP4 GEMM1 at 32x128x32: 144 registers at 4 warps, 113 at
         8; bench/results/s26)."""
         values = (self.register_caps(g) if field == "MAXNREG"
-                  else self.field_values(field, getattr(g, field), m_blocks, gemv=gemv, naive=naive))
+                  else self.field_values(field, getattr(g, field), m_blocks, gemv=gemv))
         moved = [replace(g, **{field: v}) for v in values]
         if field == "BLOCK_N" and not gemv:
             moved += [replace(m, num_warps=g.num_warps * m.BLOCK_N // g.BLOCK_N) for m in moved
@@ -578,7 +575,7 @@ class Bench:
         caps = [None] + [c for c in per_program if MAXNREG_RANGE[0] <= c <= MAXNREG_RANGE[1]]
         return [c for c in caps if c != g.MAXNREG]
 
-    def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool, naive: bool) -> list:
+    def field_values(self, field: str, cur, m_blocks: int, *, gemv: bool) -> list:
         if field == "BLOCK_N":
             return [v for v in (cur // 2, cur * 2) if (self.GEMV_BLOCK_N_MIN if gemv else 16) <= v <= 256]
         if field == "BLOCK_K":
@@ -589,11 +586,7 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
-        if field in ("PREFETCH_W2", "SUM_TOPK") and not naive:
-            return []  # both apply under the naive assignment only (launch._w2_prefetch, launch.gemm2_sums_topk)
-        if field == "PREFETCH_W2":  # each applies to one GEMM: check_config drops the other GEMM's moves
-            return [v for v in (0, 1, 2) if v != cur]
-        return [not cur]  # SWAP_AB, TMA, SUM_TOPK
+        return [not cur]  # SWAP_AB, TMA
 
     def valid(self, cfgs, scheme: Scheme) -> list:
         """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory, each as the GEMMs

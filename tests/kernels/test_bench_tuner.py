@@ -110,14 +110,3 @@ def test_mxfp4_configs_are_timed_and_recorded_as_the_gemms_run_them(tuner):
     assert tuner.valid(cfgs, MXFP4) == [MoEConfig(1, runs_as, runs_as)]
     bf16 = Scheme.from_quant(QuantConfig(family=F.unquantized))
     assert tuner.valid(cfgs, bf16) == cfgs
-
-
-def test_the_decode_fields_move_only_under_the_naive_assignment(tuner):
-    """PREFETCH_W2 (off, on entry, after the K loop) and SUM_TOPK apply where each block is one slot (4 * M * k <= E):
-    elsewhere the sweep does not spend device time on them."""
-    g = GemmConfig(BLOCK_N=64, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=5)
-    assert [m.PREFETCH_W2 for m in tuner.moves(g, "PREFETCH_W2", 8, gemv=False, naive=True)] == [1, 2]
-    assert [m.SUM_TOPK for m in tuner.moves(g, "SUM_TOPK", 8, gemv=False, naive=True)] == [True]
-    assert tuner.moves(g, "PREFETCH_W2", 8, gemv=False, naive=False) == []
-    assert tuner.moves(g, "SUM_TOPK", 8, gemv=False, naive=False) == []
-    assert {"PREFETCH_W2", "SUM_TOPK"} <= set(tuner.FIELDS)

@@ -39,27 +39,8 @@ def test_kernel_waits_before_anything_else(name):
     first = ast.unparse(body[0])
     assert first in ("dependent_launch_entry(PDL)", "wait_for_previous_kernel(PDL)"), name
     if first == "wait_for_previous_kernel(PDL)":  # the GEMMs free the next launch right after their K loop
-        lets = list(_lets_after(body))
-        assert lets and all(_ends_k_loop(before) for before in lets), name
-
-
-def _lets_after(body: list):
-    """The statements each `let_next_kernel_launch(PDL)` of body (and of its ifs' branches) follows, in lists."""
-    for i, node in enumerate(body):
-        if ast.unparse(node) == "let_next_kernel_launch(PDL)":
-            yield body[:i]
-        if isinstance(node, ast.If):
-            yield from _lets_after(node.body)
-            yield from _lets_after(node.orelse)
-
-
-def _ends_k_loop(before: list) -> bool:
-    """The K loop just ran: a for loop last, or after it GEMM1's prefetch of GEMM2's weights (nothing that waits
-    on memory), or the summed GEMM2's tile (its K loop is that function's body)."""
-    last = before[-1] if before else None
-    if isinstance(last, ast.If) and ast.unparse(last.test) == "PREFETCH_W2 == 2":
-        last = before[-2] if len(before) > 1 else None
-    return isinstance(last, ast.For) or (last is not None and "_summed_slots_tile(" in ast.unparse(last))
+        lets = [i for i, node in enumerate(body) if ast.unparse(node) == "let_next_kernel_launch(PDL)"]
+        assert len(lets) == 1 and isinstance(body[lets[0] - 1], ast.For), name
 
 
 def test_off_the_gpu_kernels_launch_plainly():

@@ -37,10 +37,6 @@
 #             come back in tma_probe/configs)
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
-#   fusion_probe  the decode fields (GEMM2 summing the top-k slots, GEMM1 prefetching GEMM2's weights into L2) on and
-#             off, whole forward, in turn; installs the fastest (bench/fusion_probe.py --install; FUSION_POINTS,
-#             model:scheme:M; the files come back in fusion_probe/configs)
-#   tests_fusion  the GPU tests of the decode fields (tests/kernels/test_decode_fusion.py)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
 # (OUT_NAME=onedot, after GEMM1's one-MMA tile). Every step is time-capped so the call returns what finished.
 # Needs carry/whl and carry/vllm033 (bench/get_vllm_triton.sh).
@@ -164,16 +160,6 @@ pdl_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/pdl_probe.py --out "$out/pdl_probe" \
     --points ${PDL_POINTS:-qwen3-30b-a3b:bf16:1 qwen3-30b-a3b:fp8_tensor:1 mixtral-8x7b:fp8_tensor:1024} \
     > "$out/pdl_probe.log" 2>&1
-}
-fusion_probe() {
-  timeout "${PROBE_SECONDS:-400}" python3 bench/fusion_probe.py --install --rounds 2 --out "$out/fusion_probe" \
-    --points ${FUSION_POINTS:-qwen3-30b-a3b:bf16:1 qwen3-30b-a3b:fp8_tensor:1 deepseek-v3:bf16:1} \
-    > "$out/fusion_probe.log" 2>&1
-  cp -r kernels/configs "$out/fusion_probe/configs"
-}
-tests_fusion() {
-  timeout "${TESTS_SECONDS:-120}" python3 -m pytest tests/kernels/test_decode_fusion.py -q -n 8 -p no:benchmark \
-    -p no:cacheprovider 2>&1 | tail -15 > "$out/pytest.log"
 }
 tma_probe() {
   # shellcheck disable=SC2086

@@ -447,7 +447,15 @@ class Bench:
                 for M in self.ms(sname):
                     if M > 4096 and not self.smoke and not self.args.ms:
                         continue  # unless asked for: nearest-M lookup reuses the 4096 entry; saves device time
-                    run = self.forward_with_config(layer, model, *self.inputs(name, M))
+                    x, ids, tw = self.inputs(name, M)
+                    prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
+                                                          a13_scale=w.a13_scale)
+
+                    def run(cfg):
+                        return fused_moe(prep.hidden_q, a_scale=prep.a_scale, weights=w, topk_ids=ids,
+                                         topk_weights=tw, activation=model.activation,
+                                         quantize_intermediate=layer.experts.quantize_intermediate(w),
+                                         out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
                     seeds = self.seeds(M, model, w, sname, only_in_use=bool(self.args.fields))
                     seed_us: dict = {}
@@ -469,18 +477,6 @@ class Bench:
                         self.log(f"tuned {name} {sname} M={M}: {start[0]:.1f} us (seed: {seeds[start[1]]}) -> "
                                  f"{best[0]:.1f} us {best[1]} ({time.time() - t0:.0f} s)")
                     self.write_config(model, w.scheme, table)
-
-    def forward_with_config(self, layer, model: Model, x, ids, tw) -> Callable[[MoEConfig], torch.Tensor]:
-        """run(cfg): the layer's experts (launch.fused_moe) on its prepared input, with config cfg."""
-        w = layer.weights
-        prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
-                                              a13_scale=w.a13_scale)
-
-        def run(cfg: MoEConfig) -> torch.Tensor:
-            return fused_moe(prep.hidden_q, a_scale=prep.a_scale, weights=w, topk_ids=ids, topk_weights=tw,
-                             activation=model.activation, quantize_intermediate=layer.experts.quantize_intermediate(w),
-                             out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
-        return run
 
     def rejection(self, run, best, in_use: MoEConfig, cell: str) -> Optional[str]:
         """Why the sweep's winner `best` (µs, config) must not replace the config in use, or None: its output

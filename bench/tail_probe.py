@@ -115,8 +115,7 @@ def point(b, layer, w, name, sname, M, rounds):
                 launch.gemm1(x_q, a_scale, weights=w, align=al, cfg=cfg, activation=act, out=inter, top_k=k,
                              swiglu=swiglu)
             for al, cfg in plan:
-                launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=al, cfg=cfg, out=out2,
-                             top_k=k)
+                launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=al, cfg=cfg, out=out2)
         run()
         return run, out2.view(M, k, -1).sum(1).clone()
 

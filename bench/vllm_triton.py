@@ -21,10 +21,9 @@ Compared, per model x scheme x M: the two GEMMs and nothing else.
   ours:  `launch.gemm1` (gemm1_gated_kernel: GEMM1 with the activation fused, -> [M*k, I]) and
          `launch.gemm2` (gemm2_weighted_kernel), with our own config (`launch.config_for`).
 Not timed on either side: routing, sorting (`moe_align`), the input and intermediate quantisation, the
-top-k sum (except where our config has GEMM2 sum it: SUM_TOPK), and vLLM's separate activation kernel
-(silu_and_mul & co., compiled CUDA ops that cannot run here). Our GEMM1 includes the activation that vLLM pays a
-separate kernel for, so the ratio is conservative for us. The L2 is flushed between the GEMMs, so GEMM1's
-prefetch of GEMM2's weights (PREFETCH_W2) costs here and gains nothing; the whole forward (bench/moe.py) shows it. Both sides read the same quantised x, weights and GEMM2 input (below).
+top-k sum, and vLLM's separate activation kernel (silu_and_mul & co., compiled CUDA ops that cannot run
+here). Our GEMM1 includes the activation that vLLM pays a separate kernel for, so the ratio is
+conservative for us. Both sides read the same quantised x, weights and GEMM2 input (below).
 Sorting: vLLM's `moe_align_block_size` is a CUDA op; ours (align.py) has its layout (padding sentinel
 M*k, one expert id per BLOCK_M block, no -1 without expert parallelism) and is re-laid into vLLM's
 buffer sizes (moe_align_block_size.py:137-152), so its grid is the one vLLM launches. Where the two
@@ -288,8 +287,7 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
     align = alignments(cfg.BLOCK_M)
     out_dtype = TORCH_DTYPE[w.in_dtype]
     inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
-    out2 = torch.empty(M if launch.gemm2_sums_topk(cfg, align, k, w) else M * k, w.hidden, dtype=out_dtype,
-                       device=x_q.device)
+    out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)
 
     quantize = layer.experts.quantize_intermediate(w)
 
@@ -301,7 +299,7 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
     inter_q = inter_q.clone() if inter_q is inter else inter_q
 
     def gemm2():
-        launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2, top_k=k)
+        launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
     full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
                             quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
     return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),

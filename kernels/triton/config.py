@@ -39,12 +39,6 @@ class GemmConfig:
     # ptxas's cap on registers per thread (Triton's maxnreg), for a tile that a few registers more would leave one
     # program per SM fewer than its shared memory allows (a data file's choice, from a measurement).
     MAXNREG: Optional[int] = None
-    # GEMM1 only: each program prefetches its share of its expert's GEMM2 weights into L2, 1 on entry, 2 after its K
-    # loop (sm_90, while those weights fit L2 beside GEMM1's stream: launch._w2_prefetch).
-    PREFETCH_W2: int = 0
-    # GEMM2 only: under the naive assignment each program sums its token's top-k slots itself, and no top-k sum kernel
-    # runs (fused_moe.gemm2_weighted_kernel).
-    SUM_TOPK: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,16 +52,12 @@ class MoEConfig:
         return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: the optional fields only where they are set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
-            for name, unset in _UNSET.items():
-                if d[gemm][name] == unset:
-                    del d[gemm][name]
+            if d[gemm]["MAXNREG"] is None:
+                del d[gemm]["MAXNREG"]
         return d
-
-
-_UNSET = {"MAXNREG": None, "PREFETCH_W2": 0, "SUM_TOPK": False}  # fields a data file omits when they are unset
 
 
 def dtype_key(scheme: Scheme, in_dtype_name: str) -> str:
@@ -219,12 +209,5 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
                              "per-thread cap), or absent")
         if g.TMA and cfg.BLOCK_M == 1:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
-    if cfg.gemm1.PREFETCH_W2 not in (0, 1, 2):
-        raise ValueError(f"gemm1: PREFETCH_W2={cfg.gemm1.PREFETCH_W2} must be 0 (off), 1 (on entry) or 2 (after the "
-                         "K loop)")
-    if cfg.gemm2.PREFETCH_W2:
-        raise ValueError("gemm2: PREFETCH_W2 is a GEMM1 field (GEMM1 prefetches GEMM2's weights); remove it here")
-    if cfg.gemm1.SUM_TOPK:
-        raise ValueError("gemm1: SUM_TOPK is a GEMM2 field (GEMM2 sums the top-k slots); remove it here")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

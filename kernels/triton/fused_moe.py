@@ -566,27 +566,6 @@ def _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB: tl.constexpr):
     return tl.max(tl.max(_finite_abs(values.to(tl.float32)), axis=1), axis=0)
 
 
-# cp.async.bulk.prefetch.L2 (sm_90): the copy engine reads $2 bytes from address $1 (both 16-byte aligned) into L2;
-# nothing waits for it or depends on it (the dummy output is what inline asm must return). Size 0 issues nothing.
-_L2_PREFETCH_PTX = tl.constexpr("""{
-.reg .pred p;
-setp.ne.u32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
-
-
-@triton.jit
-def _prefetch_share_to_l2(w_ptr, e, expert_bytes, share, shares, LANES: tl.constexpr):
-    """Share `share` of `shares` of expert e's weights (expert_bytes each from w_ptr, a multiple of 16) into L2: one
-    bulk prefetch per thread (LANES of them) of an equal, 16-byte-aligned piece."""
-    piece = tl.cdiv(tl.cdiv(expert_bytes, shares), 16 * LANES) * 16
-    offset = (share * LANES + tl.arange(0, LANES)).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(expert_bytes - offset, 0), piece).to(tl.int32)
-    address = w_ptr.to(tl.int64) + e * expert_bytes + offset
-    tl.inline_asm_elementwise(_L2_PREFETCH_PTX, "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
@@ -599,8 +578,7 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, PTX_MATH: tl.constexpr,
-        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None, w2_ptr=None, w2_expert_bytes=0,
-        PREFETCH_W2: tl.constexpr = 0, LANES: tl.constexpr = 128):
+        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -609,9 +587,6 @@ def gemm1_gated_kernel(
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
-    PREFETCH_W2 (sm_90; LANES = the program's threads): each program asks the copy engine for its share of its expert's
-    GEMM2 weights (w2_expert_bytes at w2_ptr, a multiple of 16) to be brought into L2, 1 on entry, 2 after the K loop,
-    so that GEMM2 reads them from L2 (`_prefetch_share_to_l2`).
     """
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -651,8 +626,6 @@ def gemm1_gated_kernel(
         slab_rows = _real_rows(slab_rows, pid_n * BLOCK_N + slab % BLOCK_N < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
-    if PREFETCH_W2 == 1:
-        _prefetch_share_to_l2(w2_ptr, e, w2_expert_bytes, pid_n, tl.cdiv(N, BLOCK_N), LANES)
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -661,8 +634,6 @@ def gemm1_gated_kernel(
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
                       BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc)
-    if PREFETCH_W2 == 2:
-        _prefetch_share_to_l2(w2_ptr, e, w2_expert_bytes, pid_n, tl.cdiv(N, BLOCK_N), LANES)
     let_next_kernel_launch(PDL)
     acc = _acc_rows_first(acc, SWAP_AB)
     if ALTERNATING:
@@ -692,58 +663,6 @@ def gemm1_gated_kernel(
 
 
 @triton.jit
-def _summed_slots_tile(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, expert_ids_ptr, token,
-                       pid_n, num_slots, num_experts, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
-                       stride_wsn, stride_be, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
-                       W_FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, TOP_K: tl.constexpr,
-                       TOP_K_PAD: tl.constexpr, w_desc, W_TMA: tl.constexpr, s_desc):
-    """[BLOCK_N] fp32: sum over the token's TOP_K slots s (naive assignment: slot s is block s, in its row 0) of
-    topk_weight[s] * (inter[s] . w[e_s, cols]^T + bias[e_s, cols]).
-
-    One K loop runs over the slots' K steps back to back, so the loads stay pipelined from one slot to the next; each
-    step's product is scaled by its slot's factors (router weight, and the scales `_epilogue_scale` applies once per
-    tile elsewhere) before it joins the sum. The slots' experts and router weights are read once, before the loop."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_rows = _real_rows(cols, col_ok)
-    slab_rows = w_rows
-    if W_FP4:
-        slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
-        slab_rows = _real_rows(slab_rows, slab_rows < N)
-    j = tl.arange(0, TOP_K_PAD)  # TOP_K_PAD: TOP_K rounded up to a power of two (tl.arange's sizes)
-    experts = tl.load(expert_ids_ptr + token * TOP_K + j, mask=j < TOP_K, other=-1).to(tl.int64)
-    routed = (experts >= 0) & (experts < num_experts)  # -1: an expert of another rank
-    weights = tl.load(topk_weights_ptr + token * TOP_K + j, mask=routed, other=0.0).to(tl.float32)
-    r = tl.arange(0, BLOCK_M)
-    steps = tl.cdiv(K, BLOCK_K)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, TOP_K * steps):
-        this = j == step // steps
-        e = tl.sum(tl.where(this & routed, experts, 0))
-        router_weight = tl.sum(tl.where(this, weights, 0.0))
-        slot = tl.where(r == 0, token * TOP_K + step // steps, num_slots)
-        row_ok = (r == 0) & (tl.sum(tl.where(this & routed, 1, 0)) > 0)
-        k0 = (step % steps) * BLOCK_K
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_e = w_ptr + e * stride_we
-        ws_e = w_scale_ptr + e * stride_wse
-        part = _k_step(_acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB), a, a_scale_ptr,
-                       slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows, stride_wn, stride_wsn, k0, ks,
-                       k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N, BLOCK_K, SWAP_AB, w_desc,
-                       e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc)
-        part = _epilogue_scale(_acc_rows_first(part, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok,
-                               stride_wsn, A_SCALE, W_SCALE)
-        if HAS_BIAS:
-            if step % steps == 0:
-                part += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        total += part * tl.where(row_ok, router_weight, 0.0)[:, None]
-    return tl.sum(total, axis=0), cols, col_ok
-
-
-@triton.jit
 def gemm2_weighted_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
@@ -754,25 +673,11 @@ def gemm2_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None, SUM_TOP_K: tl.constexpr = 0, TOP_K_PAD: tl.constexpr = 1):
+        W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
-    W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_gated_kernel).
-    SUM_TOP_K = top_k (naive assignment, no LoRA): out[token, n] = the sum of that over the token's top_k slots, in
-    fp32, rounded once (`_summed_slots_tile`), one program per (token, column block): no top-k sum kernel follows."""
+    W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_gated_kernel)."""
     wait_for_previous_kernel(PDL)
-    if SUM_TOP_K:
-        tl.static_assert(NAIVE and not HAS_LORA, "SUM_TOP_K: naive assignment, no LoRA (launch.gemm2_sums_topk)")
-        num_n_blocks = tl.cdiv(N, BLOCK_N)
-        token = tl.program_id(0) // num_n_blocks
-        summed, cols, col_ok = _summed_slots_tile(
-            a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, expert_ids_ptr, token,
-            tl.program_id(0) % num_n_blocks, num_slots, num_experts, N, K, stride_am, stride_asm, stride_we,
-            stride_wn, stride_wse, stride_wsn, stride_be, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACC_INT,
-            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUM_TOP_K, TOP_K_PAD, w_desc, W_TMA, s_desc)
-        let_next_kernel_launch(PDL)
-        tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, summed.to(out_ptr.dtype.element_ty), mask=col_ok)
-        return
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         return

@@ -11,7 +11,6 @@ add the expand.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 from dataclasses import replace
 from typing import Callable, Iterator, Optional
@@ -253,11 +252,10 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     lora2 = _lora_epilogue_kwargs(inter, weights.lora, gemm=2, slots_per_row=1, num_slots=T * k, align=align,
                                   dummy=weights.w13)
     inter_q, inter_scale = quantize_intermediate(inter, amaxes)
-    summed = gemm2_sums_topk(cfg, align, k, weights)
-    out = alloc(T if summed else T * k, H, dtype=out_dtype, device=x_q.device)
-    gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out, top_k=k,
+    out = alloc(T * k, H, dtype=out_dtype, device=x_q.device)
+    gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
           lora=lora2)
-    return out if summed or k == 1 else topk_sum(out, k)
+    return topk_sum(out, k) if k > 1 else out
 
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
@@ -303,36 +301,8 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
             AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device), **ptx_math(out.device),
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
-                                  halves=weights.gated and not interleaved),
-            **_w2_prefetch(weights, g, distinct_experts=min(weights.num_experts, out.shape[0]), device=out.device))
+                                  halves=weights.gated and not interleaved))
     return amax
-
-
-# The share of L2 that GEMM2's prefetched weights may take: GEMM1's own weights stream through L2 meanwhile.
-_PREFETCH_L2_SHARE = 0.5
-
-
-def _w2_prefetch(weights: MoEWeights, g: GemmConfig, *, distinct_experts: int, device: torch.device) -> dict:
-    """GEMM1's keywords for g.PREFETCH_W2 (fused_moe._prefetch_share_to_l2), where it applies: on sm_90, with w2
-    contiguous in 16-byte multiples per expert, and at most _PREFETCH_L2_SHARE of L2 for the experts the slots can
-    reach. Elsewhere (larger batches, other devices, the interpreter) GEMM1 runs without it: a cache hint only."""
-    w2 = weights.w2
-    expert_bytes = w2[0].numel() * w2.element_size()
-    if not (g.PREFETCH_W2 and pdl_kwargs(device)["PDL"] and w2.is_contiguous() and expert_bytes % 16 == 0
-            and distinct_experts * expert_bytes <= _PREFETCH_L2_SHARE * _l2_bytes(device.index or 0)):
-        return {}
-    return dict(w2_ptr=w2, w2_expert_bytes=expert_bytes, PREFETCH_W2=g.PREFETCH_W2, LANES=32 * g.num_warps)
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-def gemm2_sums_topk(cfg: MoEConfig, align: Alignment, top_k: int, weights: MoEWeights) -> bool:
-    """Whether GEMM2 sums each token's top-k slots itself (cfg.gemm2.SUM_TOPK, under the naive assignment, without
-    LoRA adapters, whose delta GEMM2 adds per slot) and writes [T, H] rather than [T * top_k, H]."""
-    return cfg.gemm2.SUM_TOPK and align.naive and top_k > 1 and weights.lora is None
 
 
 def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
@@ -344,18 +314,12 @@ def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
 
 
 def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights: MoEWeights,
-          topk_weights: torch.Tensor, align: Alignment, cfg: MoEConfig, out: torch.Tensor, top_k: int,
+          topk_weights: torch.Tensor, align: Alignment, cfg: MoEConfig, out: torch.Tensor,
           lora: Optional[dict] = None) -> None:
-    """One launch: topk_weight * (inter_q . w2[e]^T + bias) of every aligned slot into out [slots, H], or, where
-    `gemm2_sums_topk`, their sum over each token's top_k slots into out [tokens, H].
+    """One launch: topk_weight * (inter_q . w2[e]^T + bias) of every aligned slot into out [slots, H].
 
     topk_weights contiguous; `lora` as in `gemm1`, for GEMM2.
     """
-    slots = inter_q.shape[0]
-    summed = gemm2_sums_topk(cfg, align, top_k, weights)
-    if out.shape[0] != (slots // top_k if summed else slots):
-        raise ValueError(f"gemm2: out has {out.shape[0]} rows; this config writes one per "
-                         f"{'token' if summed else 'slot'} ({slots // top_k if summed else slots})")
     dummy = weights.w13
     bias = weights.w2_bias if weights.has_bias else dummy
     s_e, s_n = _scale_strides(weights.w2_scale)
@@ -364,13 +328,12 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     g = cfg.gemm2
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
     with _register_cap_honoured(g, gemm=2):
-        gemm2_weighted_kernel[((out.shape[0] if summed else align.num_blocks) * triton.cdiv(H, g.BLOCK_N),)](
+        gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
             inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
             weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
-            *align.kernel_args(), slots, weights.num_experts, align.num_blocks, H, I,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
             inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
             weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
             HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
-            **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False),
-            SUM_TOP_K=top_k if summed else 0, TOP_K_PAD=triton.next_power_of_2(top_k))
+            **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))

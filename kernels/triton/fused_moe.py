@@ -69,7 +69,7 @@ import triton.language as tl
 
 from .. import mx, scheme
 from .pdl import let_next_kernel_launch, wait_for_previous_kernel
-from .quant import _e8m0, _finite_abs
+from .quant import FP32_MAX, _e8m0, _finite_abs
 
 # Activation codes shared with launch.py (the device functions below test the literals).
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_RELU2 = 0, 1, 2, 3, 4
@@ -551,19 +551,39 @@ def _pre_activation(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok,
 
 
 @triton.jit
-def _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB: tl.constexpr):
-    """The finite amax of the tile a program stored (`stored` at `out_ptrs` where `tile_ok`).
-
-    From the registers, except for swapped tiles: reduced there, Triton gave the reduction another layout than the
-    store's and computed the whole epilogue twice (gpt-oss-120b FP8 M=4096: 204 registers, not 125; GEMM1 26% slower
-    on the H200 when first seen). Those read the tile back after a barrier (which makes the program's stores visible
-    to it): the same values, at one L1/L2 round trip that nothing overlaps when one program fills an SM."""
-    if SWAP_AB:
-        tl.debug_barrier()
-        values = tl.load(out_ptrs, mask=tile_ok, other=0.0)
-    else:
-        values = tl.where(tile_ok, stored, 0.0)
+def _read_back_amax(out_ptrs, tile_ok):
+    """The finite amax of the tile a program stored at `out_ptrs` where `tile_ok`, read back after a barrier (which
+    makes the program's stores visible to it)."""
+    tl.debug_barrier()
+    values = tl.load(out_ptrs, mask=tile_ok, other=0.0)
     return tl.max(tl.max(_finite_abs(values.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
+def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.constexpr):
+    """The finite amax of the tile a program stored: `out` (fp32) cast to out_ptrs' dtype, at `out_ptrs` where
+    `tile_ok`.
+
+    Unswapped, from the registers: max |out| rounded once to the stored dtype, which is the max of the stored
+    magnitudes because rounding is monotone (and the max ignores NaN). Only where that comes out non-finite (a value
+    rounds to Inf when stored, or every value is NaN) is the tile read back and its finite values taken, as swapped
+    tiles always are: reduced in the registers, Triton gave those another layout than the store's and computed the
+    whole epilogue twice (gpt-oss-120b FP8 M=4096: 204 registers, not 125; GEMM1 26% slower on the H200 when first
+    seen). AMAX_MASK (launch.gemm1): whether values outside tile_ok can be non-zero, so the mask must apply; without
+    it padding rows are act(0) * 0 = 0 (their token rows load as zeros, no bias) and every column is below N. At
+    Mixtral-8x7B FP8 M=1024 (compiled for sm_90, bench/sass_count.py) GEMM1's instructions outside the K loop went
+    from 2118 to 1502 on the path that runs (the read-back branch adds 664 more that run only where it is taken):
+    the stored values' upcast, finite test, select and mask had cost 8-9 instructions per value."""
+    if SWAP_AB:
+        amax = _read_back_amax(out_ptrs, tile_ok)
+    else:
+        magnitudes = tl.abs(out)
+        if AMAX_MASK:
+            magnitudes = tl.where(tile_ok, magnitudes, 0.0)
+        amax = tl.max(tl.max(magnitudes, axis=1), axis=0).to(out_ptrs.dtype.element_ty).to(tl.float32)
+        if not (amax <= FP32_MAX):
+            amax = _read_back_amax(out_ptrs, tile_ok)
+    return amax
 
 
 @triton.jit
@@ -577,13 +597,13 @@ def gemm1_gated_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, PTX_MATH: tl.constexpr,
-        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+        PTX_MATH: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
-    dynamic per-tensor scale (quant.scale_of_partials).
+    dynamic per-tensor scale (quant.scale_of_partials); AMAX_MASK: see _stored_amax.
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
@@ -659,7 +679,7 @@ def gemm1_gated_kernel(
     out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, stored, mask=tile_ok)
     if AMAX:
-        tl.store(amax_ptr + tl.program_id(0), _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB))
+        tl.store(amax_ptr + tl.program_id(0), _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
 
 
 @triton.jit

@@ -299,7 +299,8 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             **flags, **_launch_kwargs(g), GATED=weights.gated,
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
-            AMAX=amax is not None, NAIVE=align.naive, **pdl_kwargs(out.device), **ptx_math(out.device),
+            AMAX=amax is not None, AMAX_MASK=amax is not None and _amax_mask(weights, g.BLOCK_N), NAIVE=align.naive,
+            **pdl_kwargs(out.device), **ptx_math(out.device),
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                                   halves=weights.gated and not interleaved))
     return amax
@@ -311,6 +312,12 @@ def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
     scheme = weights.scheme
     return (scheme.quantizes_activations and scheme.act_granularity == G.tensor
             and weights.a2_scale is None and needs_amax_pass(inter_numel))
+
+
+def _amax_mask(weights: MoEWeights, block_n: int) -> bool:
+    """Whether GEMM1's amax must mask its tiles (fused_moe._stored_amax): a bias lifts the padding rows above zero,
+    or the last column tile runs past I (its columns past I read weight row 0)."""
+    return weights.has_bias or weights.intermediate % block_n != 0
 
 
 def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights: MoEWeights,

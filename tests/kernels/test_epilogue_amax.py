@@ -13,6 +13,7 @@ from moerules.kernels.qrange import scale_from_amax
 from moerules.kernels.quantize import finite_amax
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
 from moerules.kernels.triton.fused_moe import _stored_amax
+from moerules.kernels.triton import launch
 from moerules.kernels.triton.launch import fused_moe
 from moerules.kernels.triton.quant import needs_amax_pass, scale_of_partials
 
@@ -45,14 +46,16 @@ def _tile(swap: bool) -> MoEConfig:
     return MoEConfig(BLOCK_M=16, gemm1=gemm, gemm2=gemm)
 
 
+@pytest.mark.parametrize("I, bias", [(128, False), (120, True)], ids=["unmasked", "masked"])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("poison_row", [False, True])
-def test_gemm1_amaxes_give_exactly_the_scale_of_an_amax_pass(poison_row, swap, poison_empty):
+def test_gemm1_amaxes_give_exactly_the_scale_of_an_amax_pass(poison_row, swap, I, bias, poison_empty):
     """70 tokens x top-2 x I=128 = 17,920 intermediate elements, past one quantiser program: GEMM1 writes one
     finite amax per program (the early-returning ones 0, in NaN-poisoned memory), and their scale is the one
     quantize_activation's amax pass computes, bit for bit; with a token of Inf (its rows NaN/Inf) too. Both ways
-    GEMM1 takes its amax: from the registers, and read back from memory (swapped tiles, fused_moe._stored_amax)."""
-    layer = make_layer("triton.fused_moe", "fp8_w8a8/tensor/tensor", E=4, H=160, I=128, device=DEVICE)
+    GEMM1 takes its amax: from the registers, and read back from memory (swapped tiles, fused_moe._stored_amax);
+    and both ways the registers' amax runs: over the whole tile, and masked (a bias, I past the last tile)."""
+    layer = make_layer("triton.fused_moe", "fp8_w8a8/tensor/tensor", E=4, H=160, I=I, bias=bias, device=DEVICE)
     out, seen, (x, ids, w) = _forward(layer, 70, 2, poison_row=poison_row, config=_tile(swap))
     inter, amaxes = seen["inter"], seen["amaxes"]
     assert needs_amax_pass(inter.numel()) and amaxes is not None
@@ -61,6 +64,31 @@ def test_gemm1_amaxes_give_exactly_the_scale_of_an_amax_pass(poison_row, swap, p
     assert torch.equal(scale_of_partials(amaxes, FP8), scale_from_amax(finite_amax(inter.float()), FP8).reshape(1))
     if not poison_row:
         assert rel_err(out, reference64(layer, x, ids, w)) < TOL
+
+
+class _RecordingKernel:
+    """A jit kernel's stand-in that records the keyword arguments of each launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("I, bias, masked", [(128, False, False), (120, False, True), (128, True, True)])
+def test_the_amax_is_masked_where_values_outside_the_stored_tile_can_be_non_zero(I, bias, masked, monkeypatch):
+    """launch._amax_mask: a bias lifts GEMM1's padding rows to act(bias_gate) * bias_up, and columns past I (120 is
+    not a multiple of BLOCK_N 32) read weight row 0; otherwise both are zero or absent, and the per-value select of
+    the mask goes."""
+    recording = _RecordingKernel(launch.gemm1_gated_kernel)
+    monkeypatch.setattr(launch, "gemm1_gated_kernel", recording)
+    layer = make_layer("triton.fused_moe", "fp8_w8a8/tensor/tensor", E=4, H=160, I=I, bias=bias, device=DEVICE)
+    _forward(layer, 70, 2, config=_tile(False))
+    assert [(k["AMAX"], k["AMAX_MASK"]) for k in recording.launches] == [(True, masked)]
 
 
 @pytest.mark.parametrize("cell, M", [
@@ -76,28 +104,29 @@ def test_no_amaxes_where_no_amax_pass_would_run(cell, M, poison_empty):
 
 
 @triton.jit
-def _store_and_take_amax(src_ptr, out_ptr, amax_ptr, rows, cols, SWAP_AB: tl.constexpr, R: tl.constexpr,
-                         C: tl.constexpr):
+def _store_and_take_amax(src_ptr, out_ptr, amax_ptr, rows, cols, SWAP_AB: tl.constexpr, AMAX_MASK: tl.constexpr,
+                         R: tl.constexpr, C: tl.constexpr):
     """GEMM1's epilogue in small: cast an [R, C] fp32 tile to out's dtype, store its [rows, cols] corner,
     write that corner's amax as _stored_amax takes it."""
     r = tl.arange(0, R)
     c = tl.arange(0, C)
     tile_ok = (r < rows)[:, None] & (c < cols)[None, :]
-    stored = tl.load(src_ptr + r[:, None] * C + c[None, :]).to(out_ptr.dtype.element_ty)
+    tile = tl.load(src_ptr + r[:, None] * C + c[None, :])
     out_ptrs = out_ptr + r[:, None] * C + c[None, :]
-    tl.store(out_ptrs, stored, mask=tile_ok)
-    tl.store(amax_ptr, _stored_amax(stored, out_ptrs, tile_ok, SWAP_AB))
+    tl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(amax_ptr, _stored_amax(tile, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
 
 
 INF, NAN = float("inf"), float("nan")
 R, C, ROWS, COLS = 16, 32, 11, 27   # the tile, and the corner of it a program stores (rows, columns past N)
 
 
-def _amax_in_kernel(tile: torch.Tensor, dtype: torch.dtype, swap: bool) -> tuple[float, torch.Tensor]:
+def _amax_in_kernel(tile: torch.Tensor, dtype: torch.dtype, swap: bool, *,
+                    mask: bool = True) -> tuple[float, torch.Tensor]:
     """The amax the kernel wrote, and the corner it stored (as fp32: what an amax pass would read)."""
     out = torch.full((R, C), NAN, dtype=dtype, device=DEVICE)   # unstored memory must not be read
     amax = torch.full((1,), NAN, device=DEVICE)
-    _store_and_take_amax[(1,)](tile.to(DEVICE), out, amax, ROWS, COLS, SWAP_AB=swap, R=R, C=C)
+    _store_and_take_amax[(1,)](tile.to(DEVICE), out, amax, ROWS, COLS, SWAP_AB=swap, AMAX_MASK=mask, R=R, C=C)
     return amax.item(), out[:ROWS, :COLS].float()
 
 
@@ -140,6 +169,17 @@ def test_a_corner_of_only_non_finite_values_has_amax_zero(swap):
     tile[::2] = INF
     tile[ROWS, 0] = 500.0
     assert _amax_in_kernel(tile, torch.float16, swap)[0] == 0.0
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_unmasked_the_whole_tile_counts(swap):
+    """AMAX_MASK False (launch._amax_mask: nothing outside the stored corner can be non-zero) reduces the whole
+    register tile; the read-back way (swapped tiles, or a non-finite register amax) still reads the corner alone."""
+    tile = _tile_with(-7.5)
+    assert _amax_in_kernel(tile, torch.bfloat16, swap, mask=False)[0] == (7.5 if swap else 500.0)
+    tile[ROWS:] = 0.0
+    tile[:, COLS:] = 0.0
+    assert _amax_in_kernel(tile, torch.bfloat16, swap, mask=False)[0] == 7.5
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the interpreter's numpy cast to fp16 warns of the Inf

@@ -34,7 +34,7 @@
 #   tma_probe     the forward with the weight tiles loaded by address and by TMA, in either GEMM or both, alternately
 #             (bench/tma_probe.py; TMA_ARGS, e.g. --models mixtral-8x7b --ms 4096, or on a new GPU
 #             "--gemms --install --rounds 3 --ms 256 1024 4096 16384": each GEMM's faster load into its files, which
-#             come back in tma_probe/configs)
+#             come back in tma_probe/configs; --gemms --tile NAME=JSON ...: named tiles against the config in use)
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`

@@ -1,29 +1,36 @@
-"""Probe: the weight tiles loaded by address (as tuned) against copied by TMA (GemmConfig.TMA, fused_moe._tma_tile),
-the same tiles otherwise, timed in turn in one process.
+"""Probe: variants of the config in use timed in turn in one process. By default the weight tiles loaded by address
+(as tuned) against copied by TMA (GemmConfig.TMA, fused_moe._tma_tile), the same tiles otherwise; with --tile, named
+configs given as changes to the config in use.
 
     python bench/tma_probe.py --out DIR --models mixtral-8x7b deepseek-v3 --schemes bf16 fp8_tensor --ms 16 4096
     python bench/tma_probe.py --out DIR --points qwen3-30b-a3b:fp8_tensor:1024   # single points
     python bench/tma_probe.py --out DIR --gemms --install ...   # each GEMM alone; its faster load goes in the files
+    python bench/tma_probe.py --out DIR --gemms --points mixtral-8x7b:fp8_tensor:1024 \
+        --tile 'n64w4={"gemm1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}'   # against the config in use
     TRITON_INTERPRET=1 python bench/tma_probe.py --smoke --out DIR   # the tiny models on the CPU (no timing meaning)
 
 Whole forward (default): TMA in GEMM1, GEMM2 or both. --gemms: each GEMM alone, as bench/vllm_triton.py times ours
-(the metric of the side-by-side with vLLM), address against TMA. --install (with --gemms) writes each GEMM's faster
-load into the tuned file's entry at that M (made from the config in use where the file has none): TMA only where it
-is at least INSTALL_MARGIN faster, so timing noise never flips a tuned entry.
+(the metric of the side-by-side with vLLM), address against TMA. --install (with --gemms, without --tile) writes each
+GEMM's faster load into the tuned file's entry at that M (made from the config in use where the file has none): TMA
+only where it is at least INSTALL_MARGIN faster, so timing noise never flips a tuned entry. --tile NAME=JSON (repeated):
+the config in use ("in_use") against each, JSON holding BLOCK_M and/or the fields of "gemm1" / "gemm2" to change.
 
-Prints one JSON row per point: each variant's µs, its ratio to address (> 1: TMA faster) and the relative difference
-of its output from address's (the same products: expected 0). Points whose config runs GEMV rows (BLOCK_M 1, no
-MMA tile) are skipped. A variant that fails to run is recorded with its error.
+Prints one JSON row per point: each variant's µs, its ratio to the first variant (address, or in_use; > 1: the
+variant is faster) and the relative difference of its output from the first's (the same products: expected 0 for
+TMA, rounding-level for other tiles). Points whose config runs GEMV rows (BLOCK_M 1, no MMA tile) are skipped. A
+variant that fails to run is recorded with its error.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_interleaved, report_row  # noqa: E402
@@ -31,30 +38,60 @@ from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 from moerules.kernels.triton import launch  # noqa: E402
-from moerules.kernels.triton.config import MoEConfig  # noqa: E402
+from moerules.kernels.triton.config import GemmConfig, MoEConfig  # noqa: E402
 
-FORWARD_VARIANTS = {"address": (False, False), "tma_gemm1": (True, False), "tma_gemm2": (False, True),
-                    "tma": (True, True)}
-GEMM_VARIANTS = {"address": (False, False), "tma": (True, True)}
+Variant = Callable[[MoEConfig], MoEConfig]   # the config in use -> the config timed
 INSTALL_MARGIN = 0.01
 
 
+def with_tma(cfg: MoEConfig, tma1: bool, tma2: bool) -> MoEConfig:
+    return replace(cfg, gemm1=replace(cfg.gemm1, TMA=tma1), gemm2=replace(cfg.gemm2, TMA=tma2))
+
+
+def tma_variants(pairs: dict[str, tuple[bool, bool]]) -> dict[str, Variant]:
+    return {name: (lambda cfg, tma=tma: with_tma(cfg, *tma)) for name, tma in pairs.items()}
+
+
+FORWARD_VARIANTS = tma_variants({"address": (False, False), "tma_gemm1": (True, False), "tma_gemm2": (False, True),
+                                 "tma": (True, True)})
+GEMM_VARIANTS = tma_variants({"address": (False, False), "tma": (True, True)})
+
+
+def tile_variant(arg: str) -> tuple[str, Variant]:
+    """--tile NAME=JSON -> (NAME, the config in use with JSON's BLOCK_M and gemm1 / gemm2 fields changed)."""
+    name, sep, text = arg.partition("=")
+    try:
+        change = json.loads(text) if sep and name else None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--tile {arg!r}: {exc}") from None
+    if not isinstance(change, dict) or set(change) - {"BLOCK_M", "gemm1", "gemm2"}:
+        raise argparse.ArgumentTypeError(f"--tile {arg!r}: expected NAME=JSON, the JSON an object of BLOCK_M, "
+                                         '"gemm1" and/or "gemm2" (e.g. n64=\'{"gemm1": {"BLOCK_N": 64}}\')')
+    for gemm in ("gemm1", "gemm2"):
+        unknown = set(change.get(gemm, {})) - set(GemmConfig.__dataclass_fields__)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--tile {arg!r}: {gemm} has no field {', '.join(sorted(unknown))} "
+                                             f"(GemmConfig's: {', '.join(GemmConfig.__dataclass_fields__)})")
+
+    def changed(cfg: MoEConfig) -> MoEConfig:
+        d = cfg.to_dict()
+        return MoEConfig.from_dict({"BLOCK_M": change.get("BLOCK_M", d["BLOCK_M"]),
+                                    **{gemm: d[gemm] | change.get(gemm, {}) for gemm in ("gemm1", "gemm2")}})
+    return name, changed
+
+
 @contextlib.contextmanager
-def variant(tma1: bool, tma2: bool):
-    """Within: every config the launcher looks up has TMA in GEMM1 / GEMM2 as given."""
+def variant(transform: Variant):
+    """Within: every config the launcher looks up is `transform` of it."""
     real = launch.get_config
 
     def patched(**kwargs):
-        return with_tma(real(**kwargs), tma1, tma2)
+        return transform(real(**kwargs))
     launch.get_config = patched
     try:
         yield
     finally:
         launch.get_config = real
-
-
-def with_tma(cfg: MoEConfig, tma1: bool, tma2: bool) -> MoEConfig:
-    return replace(cfg, gemm1=replace(cfg.gemm1, TMA=tma1), gemm2=replace(cfg.gemm2, TMA=tma2))
 
 
 def points(args) -> list[tuple[str, str, int]]:
@@ -64,23 +101,23 @@ def points(args) -> list[tuple[str, str, int]]:
             if not (s == "fp8_block" and m != "deepseek-v3")]
 
 
-def forward_sides(layer, x, ids, tw) -> tuple[dict, dict, dict]:
-    """({variant: {"": whole forward}}, {variant: output}, {variant: error}) of FORWARD_VARIANTS."""
+def forward_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict, dict, dict]:
+    """({variant: {"": whole forward}}, {variant: output}, {variant: error}) of the variants."""
     sides, outputs, errors = {}, {}, {}
-    for v, tma in FORWARD_VARIANTS.items():
-        def run(tma=tma):
-            with variant(*tma):
+    for v, transform in variants.items():
+        def run(transform=transform):
+            with variant(transform):
                 return layer(x, topk_ids=ids, topk_weights=tw)
         try:
             outputs[v] = run().float()
             sides[v] = {"": run}
-        except Exception as exc:  # a tile TMA cannot copy: recorded, the other variants still timed
+        except Exception as exc:  # a tile that cannot run (e.g. TMA cannot copy it): recorded, the others still timed
             errors[v] = f"{type(exc).__name__}: {exc}"[:300]
     return sides, outputs, errors
 
 
-def gemm_sides(layer, x, ids, tw) -> tuple[dict, dict, dict]:
-    """({variant: {"_gemm1": .., "_gemm2": ..}}, {variant: output}, {variant: error}) of GEMM_VARIANTS: our GEMM
+def gemm_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict, dict, dict]:
+    """({variant: {"_gemm1": .., "_gemm2": ..}}, {variant: output}, {variant: error}) of the variants: our GEMM
     launches as the side-by-side with vLLM times them, each variant's config fixed when its launches are made."""
     w = layer.weights
     prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
@@ -88,9 +125,9 @@ def gemm_sides(layer, x, ids, tw) -> tuple[dict, dict, dict]:
     x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
     alignments = Alignments(ids, w.num_experts)
     sides, outputs, errors = {}, {}, {}
-    for v, tma in GEMM_VARIANTS.items():
+    for v, transform in variants.items():
         try:
-            with variant(*tma):
+            with variant(transform):
                 side = our_gemms(layer, x_q, a_scale, ids, tw, alignments=alignments)
             outputs[v] = side.out.float()
             sides[v] = {"_gemm1": side.gemm1, "_gemm2": side.gemm2}
@@ -99,11 +136,12 @@ def gemm_sides(layer, x, ids, tw) -> tuple[dict, dict, dict]:
     return sides, outputs, errors
 
 
-def ratios(times: dict, *, gemms: bool) -> dict:
-    """address µs / TMA µs (> 1: TMA faster): per GEMM with --gemms, else per whole-forward variant."""
-    pairs = ([(f"gemm{i} tma/address", f"address_gemm{i}_us", f"tma_gemm{i}_us") for i in (1, 2)] if gemms else
-             [(f"{v}/address", "address_us", f"{v}_us") for v in FORWARD_VARIANTS if v != "address"])
-    return {name: round(times[base] / times[t], 3) for name, base, t in pairs if base in times and t in times}
+def ratios(times: dict, variants: list[str], *, gemms: bool) -> dict:
+    """The first variant's µs / each other's (> 1: that variant faster): per GEMM with --gemms, else per forward."""
+    base, others = variants[0], variants[1:]
+    pairs = ([(f"gemm{i} {v}/{base}", f"{base}_gemm{i}_us", f"{v}_gemm{i}_us") for v in others for i in (1, 2)]
+             if gemms else [(f"{v}/{base}", f"{base}_us", f"{v}_us") for v in others])
+    return {name: round(times[b] / times[t], 3) for name, b, t in pairs if b in times and t in times}
 
 
 def install(b: Bench, name: str, layer, M: int, row: dict) -> None:
@@ -131,10 +169,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--gemms", action="store_true", help="each GEMM alone (the side-by-side's metric), not the forward")
     p.add_argument("--install", action="store_true", help="with --gemms: each GEMM's faster load into the files")
+    p.add_argument("--tile", action="append", type=tile_variant, metavar="NAME=JSON",
+                   help='a variant of the config in use, e.g. n64=\'{"gemm1": {"BLOCK_N": 64}}\' (repeatable)')
     p.add_argument("--smoke", action="store_true", help="tiny models, CPU (interpreter)")
     args = p.parse_args(argv)
     if args.install and not args.gemms:
         p.error("--install needs --gemms: the files are chosen by the side-by-side's metric")
+    if args.install and args.tile:
+        p.error("--install writes TMA decisions; --tile variants are only timed")
+    if args.tile:
+        variants = {"in_use": lambda cfg: cfg} | dict(args.tile)
+    else:
+        variants = GEMM_VARIANTS if args.gemms else FORWARD_VARIANTS
     if args.smoke:
         args.points = args.points or ["tiny:fp8_tensor:40", "tiny-oss:fp8_tensor:40"]
     todo = points(args)
@@ -146,18 +192,18 @@ def main(argv=None) -> int:
         x, ids, tw = b.inputs(name, M)
         if launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device).BLOCK_M == 1:
             continue
-        sides, outputs, errors = (gemm_sides(layer, x, ids, tw) if args.gemms else
-                                  forward_sides(layer, x, ids, tw))
+        sides, outputs, errors = (gemm_sides if args.gemms else forward_sides)(layer, x, ids, tw, variants)
         row: dict = {"point": f"{name}:{sname}:{M}"} | {f"{v}_error": e for v, e in errors.items()}
-        if "address" in outputs:
-            ref = outputs["address"]
-            row |= {f"{v}_diff": float((o - ref).norm() / ref.norm()) for v, o in outputs.items() if v != "address"}
+        base = next(iter(variants))
+        if base in outputs:
+            ref = outputs[base]
+            row |= {f"{v}_diff": float((o - ref).norm() / ref.norm()) for v, o in outputs.items() if v != base}
         times = fastest_interleaved(b.interleaved_us, args.rounds, sides)
         row |= {key: round(t, 1) for key, t in times.items()}
-        row |= ratios(times, gemms=args.gemms)
+        row |= ratios(times, list(variants), gemms=args.gemms)
         if args.install and not errors:
             install(b, name, layer, M, row)
-        report_row(rows, row, Path(args.out, "tma_probe.json"))
+        report_row(rows, row, Path(args.out, "tile_probe.json" if args.tile else "tma_probe.json"))
     return 0
 
 

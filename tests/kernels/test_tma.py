@@ -94,3 +94,39 @@ def test_tma_probe_installs_only_from_gemm_timings(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         probe.main(["--smoke", "--install", "--out", "unused"])
     assert exc.value.code == 2 and "--install needs --gemms" in capsys.readouterr().err
+
+
+def test_a_tile_variant_changes_only_the_fields_it_names(monkeypatch):
+    probe = bench_module(monkeypatch, "tma_probe")
+    in_use = MoEConfig(BLOCK_M=64, gemm1=_TILE, gemm2=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                                                                  num_stages=3))
+    name, change = probe.tile_variant('n64w4={"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "num_warps": 4}}')
+    assert name == "n64w4"
+    assert change(in_use) == MoEConfig(BLOCK_M=128, gemm1=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4,
+                                                                      num_stages=2, TMA=True), gemm2=in_use.gemm2)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ('n64', "expected NAME=JSON"),
+    ('n64={"gemm3": {}}', "expected NAME=JSON"),
+    ('n64={"gemm1": {"BLOKN": 64}}', "gemm1 has no field BLOKN"),
+    ('n64={"gemm1": ', "Expecting value"),
+])
+def test_a_malformed_tile_variant_is_refused_with_its_reason(monkeypatch, capsys, arg, message):
+    probe = bench_module(monkeypatch, "tma_probe")
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--smoke", "--gemms", "--tile", arg, "--out", "unused"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@INTERPRETER_ONLY
+def test_tile_probe_rows_hold_each_variant_against_the_config_in_use(monkeypatch, tmp_path):
+    """--tile: the config in use and each named variant timed in turn; ratios are in_use µs / the variant's."""
+    probe = bench_module(monkeypatch, "tma_probe")
+    times = {"in_use_gemm1_us": 100.0, "in_use_gemm2_us": 50.0, "n16_gemm1_us": 80.0, "n16_gemm2_us": 50.0}
+    monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: dict(times))
+    probe.main(["--smoke", "--gemms", "--points", "tiny:fp8_tensor:40", "--tile", 'n16={"gemm1": {"BLOCK_N": 16}}',
+                "--out", str(tmp_path)])
+    row, = json.loads((tmp_path / "tile_probe.json").read_text())
+    assert (row["gemm1 n16/in_use"], row["gemm2 n16/in_use"]) == (1.25, 1.0)
+    assert row["n16_diff"] < 1e-2 and "n16_error" not in row

@@ -100,7 +100,8 @@ def batched_gemm1_kernel(
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACTIVATION: tl.constexpr, AMAX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SWAP_AB: tl.constexpr, swiglu_limit, swiglu_alpha, PTX_MATH: tl.constexpr):
+        SWAP_AB: tl.constexpr, swiglu_limit, swiglu_alpha, PTX_MATH: tl.constexpr,
+        EIGHT_BIT_OUT: tl.constexpr):
     """out[e, r, n] = act(x[e, r] . w[e, gate(n)] + b, x[e, r] . w[e, up(n)] + b) for r < count[e], n < N = I."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -118,7 +119,8 @@ def batched_gemm1_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION, PTX_MATH).to(out_ptr.dtype.element_ty)
+    out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
+    out = out.to(out_ptr.dtype.element_ty)
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
     if AMAX != 0:
@@ -260,7 +262,7 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
         *_scale_strides(weights.w13_scale), bias13.stride(0), inter.stride(0), inter.stride(1),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation],
         AMAX=fold, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1), swiglu_limit=swiglu.limit,
-        swiglu_alpha=swiglu.alpha, **ptx_math(x_q.device))
+        swiglu_alpha=swiglu.alpha, **ptx_math(x_q.device), EIGHT_BIT_OUT=requant)
 
     inter_q, inter_scale = inter, None
     if requant:

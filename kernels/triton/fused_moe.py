@@ -456,10 +456,27 @@ rcp.approx.ftz.f32 $0, t;
 }""")
 
 
+# tanh(x) by one SFU op (MUFU.TANH, sm_75+): max relative error 2^-10.99 (PTX ISA, tanh), so sigmoid(x) =
+# 0.5 + 0.5 tanh(x / 2) errs by at most 2.5e-4 absolute (measured on the GPU: tests/kernels/test_semantic_constants.py).
+# That is coarse for a bf16/fp16 intermediate (x sigmoid(x) at x = -3 by ~1 bf16 ulp), so it serves only outputs that
+# are quantised to 8 bits next (EIGHT_BIT_OUT: GEMM2's FP8/INT8 input, whose rounding is ~100 times coarser). There
+# it halves the SFU work of the epilogue, which had become its bound once the amax left the registers: two SFU ops per
+# value (16 per SM per clock: 2048 clocks a 128x128 tile of 8 warps) against ~1560 clocks of issue.
+_TANH_PTX = tl.constexpr("tanh.approx.f32 $0, $1;")
+
+
 @triton.jit
-def _sigmoid(x, PTX_MATH: tl.constexpr):
-    """sigmoid(x) of fp32 x; PTX_MATH (compiled for CUDA, not the interpreter): _SIGMOID_PTX."""
-    if PTX_MATH:
+def _tanh(x):
+    return tl.inline_asm_elementwise(_TANH_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sigmoid(x, PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr):
+    """sigmoid(x) of fp32 x; PTX_MATH (compiled for CUDA, not the interpreter): _SIGMOID_PTX, or from _tanh where
+    the result feeds an EIGHT_BIT_OUT."""
+    if PTX_MATH and EIGHT_BIT_OUT:
+        out = 0.5 * _tanh(0.5 * x) + 0.5
+    elif PTX_MATH:
         out = tl.inline_asm_elementwise(_SIGMOID_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         out = tl.sigmoid(x)
@@ -467,15 +484,26 @@ def _sigmoid(x, PTX_MATH: tl.constexpr):
 
 
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr):
+def _silu(x, PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr):
+    """x * sigmoid(x); from _tanh as h + h tanh(h), h = x / 2: one multiply fewer than x times the sigmoid."""
+    if PTX_MATH and EIGHT_BIT_OUT:
+        h = 0.5 * x
+        out = h * _tanh(h) + h
+    else:
+        out = x * _sigmoid(x, PTX_MATH, EIGHT_BIT_OUT)
+    return out
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr):
     """The elementwise function: silu, gelu (erf), gelu (tanh) or relu^2."""
     if ACTIVATION == 0:
-        out = x * _sigmoid(x, PTX_MATH)
+        out = _silu(x, PTX_MATH, EIGHT_BIT_OUT)
     elif ACTIVATION == 1:
         out = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == 2:
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        out = 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * inner, PTX_MATH) - 1.0))  # tanh via sigmoid
+        out = 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * inner, PTX_MATH, EIGHT_BIT_OUT) - 1.0))  # tanh via sigmoid
     else:
         out = tl.maximum(x, 0.0)
         out = out * out
@@ -483,15 +511,16 @@ def _activation(x, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr):
 
 
 @triton.jit
-def _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr):
+def _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION: tl.constexpr, PTX_MATH: tl.constexpr,
+                      EIGHT_BIT_OUT: tl.constexpr):
     """act(gate) * up; swigluoai clamps by the model's limit and scales the sigmoid by its alpha (runtime
     scalars: a model's values never recompile the kernel)."""
     if ACTIVATION == 3:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        out = gate * _sigmoid(swiglu_alpha * gate, PTX_MATH) * (up + 1.0)
+        out = gate * _sigmoid(swiglu_alpha * gate, PTX_MATH, EIGHT_BIT_OUT) * (up + 1.0)
     else:
-        out = _activation(gate, ACTIVATION, PTX_MATH) * up
+        out = _activation(gate, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT) * up
     return out
 
 
@@ -598,12 +627,13 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        PTX_MATH: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
     AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
-    dynamic per-tensor scale (quant.scale_of_partials); AMAX_MASK: see _stored_amax.
+    dynamic per-tensor scale (quant.scale_of_partials); AMAX_MASK: see _stored_amax. EIGHT_BIT_OUT: GEMM2 quantises
+    this output to 8 bits, so the activation may take the coarser sigmoid of _TANH_PTX.
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
@@ -671,9 +701,9 @@ def gemm1_gated_kernel(
         up = _pre_activation(acc_u, a_scale_ptr, a_rows, row_ok, ws_e, up_rows, col_ok, stride_wsn, b_e, slot,
                              lora_shrink_ptr, stride_lsm, lb_e, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS,
                              HAS_LORA, LORA_R)
-        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION, PTX_MATH)
+        out = _gated_activation(gate, up, swiglu_limit, swiglu_alpha, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     else:
-        out = _activation(gate, ACTIVATION, PTX_MATH)
+        out = _activation(gate, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     stored = out.to(out_ptr.dtype.element_ty)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]

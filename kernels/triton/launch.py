@@ -300,7 +300,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
             AMAX=amax is not None, AMAX_MASK=amax is not None and _amax_mask(weights, g.BLOCK_N), NAIVE=align.naive,
-            **pdl_kwargs(out.device), **ptx_math(out.device),
+            **pdl_kwargs(out.device), **ptx_math(out.device), EIGHT_BIT_OUT=weights.scheme.quantizes_activations,
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                                   halves=weights.gated and not interleaved))
     return amax

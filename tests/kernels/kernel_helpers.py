@@ -91,3 +91,16 @@ def bench_module(monkeypatch, name: str):
     """A script of bench/ (vllm_triton, tk_mxfp4) imported as a module, as the scripts import each other."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     return importlib.import_module(name)
+
+
+class RecordingKernel:
+    """A jit kernel's stand-in that records the keyword arguments of each launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch

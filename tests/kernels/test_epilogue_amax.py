@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_helpers import DEVICE, make_layer, random_inputs, reference64, rel_err
+from kernel_helpers import DEVICE, RecordingKernel, make_layer, random_inputs, reference64, rel_err
 
 from moerules.kernels.qrange import scale_from_amax
 from moerules.kernels.quantize import finite_amax
@@ -66,25 +66,12 @@ def test_gemm1_amaxes_give_exactly_the_scale_of_an_amax_pass(poison_row, swap, I
         assert rel_err(out, reference64(layer, x, ids, w)) < TOL
 
 
-class _RecordingKernel:
-    """A jit kernel's stand-in that records the keyword arguments of each launch, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("I, bias, masked", [(128, False, False), (120, False, True), (128, True, True)])
 def test_the_amax_is_masked_where_values_outside_the_stored_tile_can_be_non_zero(I, bias, masked, monkeypatch):
     """launch._amax_mask: a bias lifts GEMM1's padding rows to act(bias_gate) * bias_up, and columns past I (120 is
     not a multiple of BLOCK_N 32) read weight row 0; otherwise both are zero or absent, and the per-value select of
     the mask goes."""
-    recording = _RecordingKernel(launch.gemm1_gated_kernel)
+    recording = RecordingKernel(launch.gemm1_gated_kernel)
     monkeypatch.setattr(launch, "gemm1_gated_kernel", recording)
     layer = make_layer("triton.fused_moe", "fp8_w8a8/tensor/tensor", E=4, H=160, I=I, bias=bias, device=DEVICE)
     _forward(layer, 70, 2, config=_tile(False))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_helpers import DEVICE
+from kernel_helpers import DEVICE, RecordingKernel, make_layer, random_inputs
 
 from moerules import MoEConfig
 from moerules.activation import Activation, SwigluParams
@@ -24,6 +24,7 @@ from moerules.kernels.activations import apply_activation
 from moerules.kernels.mx import e8m0_decode, quantize_mx
 from moerules.kernels.quantize import dequantize_activation, quantize_activation, quantize_weight
 from moerules.kernels.triton.fused_moe import _activation, _gated_activation
+from moerules.kernels.triton import launch
 from moerules.kernels.triton.launch import ACTIVATION_CODE
 from moerules.kernels.triton.quant import quantize_activation_triton
 from moerules.presets import preset
@@ -55,29 +56,30 @@ UP = torch.tensor([9.0, -9.0, 7.5, -7.2, 3.0, 6.95, -6.95, 8.0, -30.0, 0.5, 7.0,
 
 @triton.jit
 def _activation_kernel(gate_ptr, up_ptr, out_ptr, n, limit, alpha, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
-                       PTX_MATH: tl.constexpr, BLOCK: tl.constexpr):
+                       PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """The fused GEMM1 epilogue's activation, elementwise over vectors (no GEMM around it)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)
     if GATED:
         up = tl.load(up_ptr + offs, mask=mask, other=0.0)
-        out = _gated_activation(gate, up, limit, alpha, ACTIVATION, PTX_MATH)
+        out = _gated_activation(gate, up, limit, alpha, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     else:
-        out = _activation(gate, ACTIVATION, PTX_MATH)
+        out = _activation(gate, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     tl.store(out_ptr + offs, out, mask=mask)
 
 
 def triton_activation(activation: Activation, gate, up, swiglu: SwigluParams = SwigluParams(), *,
-                      ptx_math: bool = False) -> torch.Tensor:
+                      ptx_math: bool = False, eight_bit_out: bool = False) -> torch.Tensor:
     """The device code on gate and up: in float64 (rounding far below any constant's change), or with ptx_math in
-    fp32 (the sigmoid's PTX takes fp32), as the GPU GEMMs compute it."""
+    fp32 (the sigmoid's PTX takes fp32), as the GPU GEMMs compute it (eight_bit_out: for an output quantised to 8
+    bits next)."""
     dtype = torch.float32 if ptx_math else torch.float64
     gate, up = gate.to(DEVICE, dtype), up.to(DEVICE, dtype)
     out = torch.empty_like(gate)
     _activation_kernel[(1,)](gate, up, out, gate.numel(), swiglu.limit, swiglu.alpha, GATED=activation.gated,
                              ACTIVATION=ACTIVATION_CODE[activation], PTX_MATH=ptx_math,
-                             BLOCK=triton.next_power_of_2(gate.numel()))
+                             EIGHT_BIT_OUT=eight_bit_out, BLOCK=triton.next_power_of_2(gate.numel()))
     return out.cpu()
 
 
@@ -124,6 +126,45 @@ def test_the_ptx_sigmoid_computes_torchs_activations(activation):
         expected = TORCH_ACT[activation](edges)
         torch.testing.assert_close(triton_activation(activation, edges, torch.ones(3), ptx_math=True), expected,
                                    equal_nan=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tanh sigmoid's PTX (fused_moe._TANH_PTX) compiles for CUDA only")
+@pytest.mark.parametrize("activation", list(ACTIVATION_CODE))
+def test_the_tanh_sigmoid_is_within_its_bound_of_torchs_activations(activation):
+    """For outputs quantised to 8 bits next (EIGHT_BIT_OUT): sigmoid = 0.5 + 0.5 tanh(x / 2) from tanh.approx.f32
+    (max relative error 2^-10.99), so the sigmoid errs by at most 2.5e-4 and an activation by that times what
+    multiplies it (|x| for silu, |x * up| gated; relu^2 and erf-gelu have no sigmoid and stay at 2e-6). Far inside
+    the e4m3 rounding that follows (2^-4 relative), and the edges stay torch's."""
+    x = torch.cat([torch.linspace(-40, 40, 1601), torch.tensor([-100.0, 100.0])])
+    up = torch.linspace(-9, 9, x.numel())
+    if activation in TORCH_ACT:
+        expected = TORCH_ACT[activation](x.double()) * (up.double() if activation.gated else 1.0)
+        factor = x.double().abs() * (up.double().abs() if activation.gated else 1.0)
+    else:  # the swigluoai codes: gate clamped to 7, up to +-7 and shifted by one
+        expected = gpt_oss_swiglu(x, up)
+        factor = x.double().clamp(max=7.0).abs() * (up.double().clamp(-7.0, 7.0) + 1.0).abs()
+    got = triton_activation(activation, x, up, ptx_math=True, eight_bit_out=True).double()
+    uses_sigmoid = activation not in (Activation.relu2_no_mul, Activation.gelu, Activation.gelu_no_mul)
+    bound = (2.5e-4 * factor if uses_sigmoid else 0.0) + 2e-6 * expected.abs() + 1e-6
+    worst = ((got - expected).abs() / bound).max().item()
+    assert worst <= 1.0, f"{worst:.2f} x the bound"
+    edges = torch.tensor([float("-inf"), float("inf"), float("nan")])
+    if activation in (Activation.silu, Activation.silu_no_mul, Activation.gelu_tanh):
+        torch.testing.assert_close(triton_activation(activation, edges, torch.ones(3), ptx_math=True,
+                                                     eight_bit_out=True), TORCH_ACT[activation](edges), equal_nan=True)
+
+
+@pytest.mark.parametrize("cell, eight_bit", [("fp8_w8a8/tensor/tensor", True), ("fp8_w8a8/channel/token", True),
+                                             ("int8_w8a8/channel/token", True), ("fp8_w8a16/channel", False),
+                                             ("unquantized", False)])
+def test_the_tanh_sigmoid_serves_only_intermediates_quantised_to_8_bits(cell, eight_bit, monkeypatch):
+    """launch.gemm1 asks for the coarse sigmoid (EIGHT_BIT_OUT) exactly where GEMM2 quantises its input."""
+    recording = RecordingKernel(launch.gemm1_gated_kernel)
+    monkeypatch.setattr(launch, "gemm1_gated_kernel", recording)
+    layer = make_layer("triton.fused_moe", cell, E=4, H=64, I=64, device=DEVICE)
+    x, ids, w = random_inputs(layer, 5, 2, device=DEVICE)
+    layer(x, topk_ids=ids, topk_weights=w)
+    assert [k["EIGHT_BIT_OUT"] for k in recording.launches] == [eight_bit]
 
 
 @pytest.mark.parametrize("activation", [a for a in ACTIVATION_CODE if a in TORCH_ACT])

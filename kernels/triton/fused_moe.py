@@ -620,7 +620,7 @@ def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.co
 @triton.jit
 def _down_partials(inter, a_rows, slot, row_ok, cols, col_ok, e, pid_n, topk_weights_ptr, down_w_ptr, down_scale_ptr,
                    down_bias_ptr, sums_ptr, H, stride_dwe, stride_dwn, stride_dse, stride_dsn, stride_dbe,
-                   DOWN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+                   DOWN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_STAGES: tl.constexpr):
     """GEMM2 on this program's columns of the intermediate (MoEConfig.FUSED_DOWN): sums[token, h] +=
     topk_weight * (inter . w2[e, h, cols] (+ bias[e, h] once, from the first column block)) for every h < H.
 
@@ -630,7 +630,7 @@ def _down_partials(inter, a_rows, slot, row_ok, cols, col_ok, e, pid_n, topk_wei
     inter = tl.where(col_ok[None, :], inter, 0.0).to(inter.dtype)  # columns past I were computed from row 0
     weight = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)
     w_e = down_w_ptr + e * stride_dwe
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=DOWN_STAGES):
         hs = h0 + tl.arange(0, BLOCK_H)
         h_ok = hs < H
         w = tl.load(w_e + _real_rows(hs, h_ok)[None, :].to(tl.int64) * stride_dwn + cols[:, None],
@@ -677,7 +677,8 @@ def gemm1_gated_kernel(
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
         down_w_ptr=None, down_scale_ptr=None, down_bias_ptr=None, topk_weights_ptr=None, sums_ptr=None,
         arrivals_ptr=None, num_tokens=0, H=0, stride_dwe=0, stride_dwn=0, stride_dse=0, stride_dsn=0, stride_dbe=0,
-        FUSED_DOWN: tl.constexpr = False, DOWN_SCALE: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128):
+        FUSED_DOWN: tl.constexpr = False, DOWN_SCALE: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128,
+        DOWN_STAGES: tl.constexpr = 2):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -762,7 +763,7 @@ def gemm1_gated_kernel(
     if FUSED_DOWN:
         _down_partials(stored, a_rows, slot, row_ok, cols, col_ok, e, pid_n, topk_weights_ptr, down_w_ptr,
                        down_scale_ptr, down_bias_ptr, sums_ptr, H, stride_dwe, stride_dwn, stride_dse, stride_dsn,
-                       stride_dbe, DOWN_SCALE, HAS_BIAS, BLOCK_H)
+                       stride_dbe, DOWN_SCALE, HAS_BIAS, BLOCK_H, DOWN_STAGES)
         _arrive(arrivals_ptr, sums_ptr, out_ptr, num_tokens, H, stride_om, BLOCK_H)
     else:
         tile_ok = row_ok[:, None] & col_ok[None, :]

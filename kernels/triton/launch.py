@@ -322,7 +322,8 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
 
 def _down_kwargs(weights: MoEWeights, topk_weights: torch.Tensor, g: GemmConfig) -> dict:
     """GEMM1's keyword arguments for GEMM2 in its launch (cfg.FUSED_DOWN, fused_moe._down_partials): w2 in steps of
-    g.BLOCK_N rows of H, and the zeroed fp32 sums [T, H] followed by the arrival counter, in one allocation."""
+    g.BLOCK_N rows of H, pipelined over g.num_stages, and the zeroed fp32 sums [T, H] followed by the arrival
+    counter, in one allocation."""
     T, H = topk_weights.shape[0], weights.hidden
     workspace = torch.zeros(T * H + 1, dtype=torch.float32, device=topk_weights.device)
     w2, scale = weights.w2, weights.w2_scale
@@ -332,7 +333,7 @@ def _down_kwargs(weights: MoEWeights, topk_weights: torch.Tensor, g: GemmConfig)
                 topk_weights_ptr=topk_weights, sums_ptr=workspace, arrivals_ptr=workspace[T * H:].view(torch.int32),
                 num_tokens=T, H=H, stride_dwe=w2.stride(0), stride_dwn=w2.stride(1), stride_dse=s_e, stride_dsn=s_n,
                 stride_dbe=bias.stride(0), FUSED_DOWN=True, DOWN_SCALE=_W_SCALE[weights.scheme.weight_granularity],
-                BLOCK_H=g.BLOCK_N)
+                BLOCK_H=g.BLOCK_N, DOWN_STAGES=g.num_stages)
 
 
 def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:

@@ -60,7 +60,7 @@ def test_fused_down_equals_the_two_launches_on_unquantised_weights(poison_empty,
     apart = layer(x, topk_ids=ids, topk_weights=w).double()
     run_with_config(monkeypatch, fused)
     together = layer(x, topk_ids=ids, topk_weights=w).double()
-    assert ((together - apart).norm() / apart.norm()).item() < 2e-3
+    assert ((together - apart).norm() / apart.norm()).item() < TOL  # the apart path rounds each slot's row too
 
 
 def test_the_last_program_writes_every_row_once_per_call(poison_empty, monkeypatch):

@@ -37,12 +37,8 @@ def _lora_delta(a: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, e: 
 
 def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, a_scale: Optional[torch.Tensor], activation,
-                  compute_dtype: torch.dtype = torch.float32, swiglu: SwigluParams = SwigluParams(),
-                  quantized_intermediate: bool = True) -> torch.Tensor:
-    """-> [T, H] in compute_dtype. hidden_q/a_scale as prepared (quantised iff the scheme quantises).
-
-    quantized_intermediate=False: GEMM2 reads the intermediate in the input dtype even where the scheme quantises
-    activations (what the Triton GEMMs compute with MoEConfig.FUSED_DOWN)."""
+                  compute_dtype: torch.dtype = torch.float32, swiglu: SwigluParams = SwigluParams()) -> torch.Tensor:
+    """-> [T, H] in compute_dtype. hidden_q/a_scale as prepared (quantised iff the scheme quantises)."""
     scheme = weights.scheme
     in_dtype = TORCH_DTYPE[weights.in_dtype]
     lora = weights.lora
@@ -72,7 +68,7 @@ def moe_reference(hidden_q: torch.Tensor, *, weights: MoEWeights, topk_ids: torc
             h = h + weights.w13_bias[e].to(compute_dtype)
         inter[slots] = apply_activation(h, activation, swiglu).to(in_dtype)
 
-    if scheme.quantizes_activations and quantized_intermediate:
+    if scheme.quantizes_activations:
         q, s = quantize_activation(inter, dtype=scheme.act_torch_dtype, granularity=scheme.act_granularity,
                                    static_scale=weights.a2_scale)
         inter_c = dequantize_activation(q, s, granularity=scheme.act_granularity).to(compute_dtype)

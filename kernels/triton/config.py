@@ -46,25 +46,17 @@ class MoEConfig:
     BLOCK_M: int
     gemm1: GemmConfig
     gemm2: GemmConfig
-    # GEMM2 inside GEMM1's launch (fused_moe._down_partials): each GEMM1 program multiplies its BLOCK_N columns of
-    # the intermediate by the matching columns of w2 (gemm2's BLOCK_N rows of H per step) and adds the weighted
-    # products into fp32 token rows by atomics; the last program to finish writes them out. One launch for the
-    # whole MoE, for decode, where the fixed cost of each launch is most of the time.
-    FUSED_DOWN: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
-        return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   FUSED_DOWN=d.get("FUSED_DOWN", False))
+        return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, FUSED_DOWN only where set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
-        if not d["FUSED_DOWN"]:
-            del d["FUSED_DOWN"]
         return d
 
 
@@ -217,8 +209,5 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
                              "per-thread cap), or absent")
         if g.TMA and cfg.BLOCK_M == 1:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
-    if cfg.FUSED_DOWN and (scheme.is_mx or scheme.weight_granularity == Granularity.block128):
-        raise ValueError(f"FUSED_DOWN: GEMM2 inside GEMM1 reads w2 with per-tensor or per-channel scales only, not "
-                         f"{scheme.cell}'s; remove FUSED_DOWN from this config")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")

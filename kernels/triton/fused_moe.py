@@ -618,51 +618,6 @@ def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.co
 
 
 @triton.jit
-def _down_partials(inter, a_rows, slot, row_ok, cols, col_ok, e, pid_n, topk_weights_ptr, down_w_ptr, down_scale_ptr,
-                   down_bias_ptr, sums_ptr, H, stride_dwe, stride_dwn, stride_dse, stride_dsn, stride_dbe,
-                   DOWN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, DOWN_STAGES: tl.constexpr):
-    """GEMM2 on this program's columns of the intermediate (MoEConfig.FUSED_DOWN): sums[token, h] +=
-    topk_weight * (inter . w2[e, h, cols] (+ bias[e, h] once, from the first column block)) for every h < H.
-
-    inter [BLOCK_M, BLOCK_N] is GEMM1's output as the unfused path stores it (rounded to the output dtype), never
-    re-quantised: 8-bit weights are upcast to its dtype, their per-expert or per-channel scale applied after (codes of
-    W_SCALE). The adds are relaxed atomics; `_arrive` orders them before the last program reads the sums."""
-    inter = tl.where(col_ok[None, :], inter, 0.0).to(inter.dtype)  # columns past I were computed from row 0
-    weight = tl.load(topk_weights_ptr + slot, mask=row_ok, other=0.0)
-    w_e = down_w_ptr + e * stride_dwe
-    for h0 in tl.range(0, H, BLOCK_H, num_stages=DOWN_STAGES):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = hs < H
-        w = tl.load(w_e + _real_rows(hs, h_ok)[None, :].to(tl.int64) * stride_dwn + cols[:, None],
-                    mask=col_ok[:, None], other=0.0)
-        part = _dot(inter, w.to(inter.dtype), tl.zeros((inter.shape[0], BLOCK_H), tl.float32), False)
-        part = _epilogue_scale(part, down_scale_ptr, slot, row_ok, down_scale_ptr + e * stride_dse, hs, h_ok,
-                               stride_dsn, 0, DOWN_SCALE)
-        if HAS_BIAS:
-            bias = tl.load(down_bias_ptr + e * stride_dbe + hs, mask=h_ok & (pid_n == 0), other=0.0)
-            part += bias.to(tl.float32)[None, :]
-        tl.atomic_add(sums_ptr + a_rows[:, None] * H + hs[None, :], part * weight[:, None],
-                      mask=row_ok[:, None] & h_ok[None, :], sem="relaxed")
-
-
-@triton.jit
-def _arrive(arrivals_ptr, sums_ptr, out_ptr, num_tokens, H, stride_om, BLOCK_H: tl.constexpr):
-    """This program's sums are added (MoEConfig.FUSED_DOWN); the last program of the launch to arrive writes every
-    token row of the sums to out in its dtype. The barrier and the counter's acquire-release make every program's
-    adds visible to the last one, whose loads go to L2 (.cg), where the atomics were performed."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        for t in range(0, num_tokens):
-            for h0 in range(0, H, BLOCK_H):
-                hs = h0 + tl.arange(0, BLOCK_H)
-                h_ok = hs < H
-                sums = tl.load(sums_ptr + t * H + hs, mask=h_ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + t * stride_om + hs, sums.to(out_ptr.dtype.element_ty), mask=h_ok)
-
-
-@triton.jit
 def gemm1_gated_kernel(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
@@ -674,11 +629,7 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
-        down_w_ptr=None, down_scale_ptr=None, down_bias_ptr=None, topk_weights_ptr=None, sums_ptr=None,
-        arrivals_ptr=None, num_tokens=0, H=0, stride_dwe=0, stride_dwn=0, stride_dse=0, stride_dsn=0, stride_dbe=0,
-        FUSED_DOWN: tl.constexpr = False, DOWN_SCALE: tl.constexpr = 0, BLOCK_H: tl.constexpr = 128,
-        DOWN_STAGES: tl.constexpr = 2):
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -688,16 +639,12 @@ def gemm1_gated_kernel(
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
-    FUSED_DOWN (MoEConfig.FUSED_DOWN): GEMM2 runs here too, on this program's columns (`_down_partials`, the down_*
-    arguments being w2's); out is then the layer's [num_tokens, H] output, which the last program writes (`_arrive`).
     """
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         if AMAX:
             tl.store(amax_ptr + tl.program_id(0), 0.0)
-        if FUSED_DOWN:
-            _arrive(arrivals_ptr, sums_ptr, out_ptr, num_tokens, H, stride_om, BLOCK_H)
         return
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // top_k
@@ -760,17 +707,11 @@ def gemm1_gated_kernel(
     else:
         out = _activation(gate, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     stored = out.to(out_ptr.dtype.element_ty)
-    if FUSED_DOWN:
-        _down_partials(stored, a_rows, slot, row_ok, cols, col_ok, e, pid_n, topk_weights_ptr, down_w_ptr,
-                       down_scale_ptr, down_bias_ptr, sums_ptr, H, stride_dwe, stride_dwn, stride_dse, stride_dsn,
-                       stride_dbe, DOWN_SCALE, HAS_BIAS, BLOCK_H, DOWN_STAGES)
-        _arrive(arrivals_ptr, sums_ptr, out_ptr, num_tokens, H, stride_om, BLOCK_H)
-    else:
-        tile_ok = row_ok[:, None] & col_ok[None, :]
-        out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
-        tl.store(out_ptrs, stored, mask=tile_ok)
-        if AMAX:
-            tl.store(amax_ptr + tl.program_id(0), _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, stored, mask=tile_ok)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
 
 
 @triton.jit

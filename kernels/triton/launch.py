@@ -243,14 +243,6 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
     cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
-    if cfg.FUSED_DOWN:
-        if weights.lora is not None:
-            raise KernelInputError("FUSED_DOWN runs GEMM2 inside GEMM1, which has no place for LoRA's GEMM2 shrink "
-                                   "(it reads whole intermediate rows); remove FUSED_DOWN from this config")
-        out = torch.empty(T, H, dtype=out_dtype, device=x_q.device)
-        gemm1(x_q, a_scale, weights=weights, align=align, cfg=cfg, activation=activation, out=out, top_k=k,
-              swiglu=swiglu, down_weights=topk_weights)
-        return out
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
     inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
@@ -275,7 +267,7 @@ def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torc
 
 def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,
           cfg: MoEConfig, activation: Activation, out: torch.Tensor, top_k: int, swiglu: SwigluParams = SwigluParams(),
-          lora: Optional[dict] = None, down_weights: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+          lora: Optional[dict] = None) -> Optional[torch.Tensor]:
     """One launch: act(x_q . w13[e]^T + bias) of every aligned slot into out [slots, I].
 
     x_q [T, H] contiguous, slot s reads row s // top_k; `lora`: the GEMM1 epilogue keyword
@@ -283,8 +275,6 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     Returns one finite amax per program of the values it stored when GEMM2's input is quantised dynamically per
     tensor and out is large enough for that quantisation to need an amax pass (`_epilogue_amax`; the quantiser
     then reduces these, quant.scale_of_partials, instead of reading out twice). Else None.
-    `down_weights` (cfg.FUSED_DOWN): the router weights [T, top_k], contiguous; GEMM2 and the top-k sum then run in
-    this launch too, and out is the layer's output [T, H].
     """
     dummy = weights.w13
     bias = weights.w13_bias if weights.has_bias else dummy
@@ -295,15 +285,13 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     g = cfg.gemm1
     x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, out.dtype)
     programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
-    fused = down_weights is not None
-    num_slots = down_weights.numel() if fused else out.shape[0]
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
-            if not fused and _epilogue_amax(weights, out.numel()) else None)
+            if _epilogue_amax(weights, out.numel()) else None)
     with _register_cap_honoured(g, gemm=1):
         gemm1_gated_kernel[(programs,)](
             x_q, a_scale if a_scale is not None else dummy, weights.w13,
             weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
-            *align.kernel_args(), num_slots, weights.num_experts, align.num_blocks, I, H, top_k,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, I, H, top_k,
             2 if interleaved else 1, 1 if interleaved else I,
             x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
             weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
@@ -312,28 +300,10 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
             AMAX=amax is not None, AMAX_MASK=amax is not None and _amax_mask(weights, g.BLOCK_N), NAIVE=align.naive,
-            **pdl_kwargs(out.device), **ptx_math(out.device),
-            EIGHT_BIT_OUT=weights.scheme.quantizes_activations and not fused,
+            **pdl_kwargs(out.device), **ptx_math(out.device), EIGHT_BIT_OUT=weights.scheme.quantizes_activations,
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
-                                  halves=weights.gated and not interleaved),
-            **(_down_kwargs(weights, down_weights, cfg.gemm2) if fused else {}))
+                                  halves=weights.gated and not interleaved))
     return amax
-
-
-def _down_kwargs(weights: MoEWeights, topk_weights: torch.Tensor, g: GemmConfig) -> dict:
-    """GEMM1's keyword arguments for GEMM2 in its launch (cfg.FUSED_DOWN, fused_moe._down_partials): w2 in steps of
-    g.BLOCK_N rows of H, pipelined over g.num_stages, and the zeroed fp32 sums [T, H] followed by the arrival
-    counter, in one allocation."""
-    T, H = topk_weights.shape[0], weights.hidden
-    workspace = torch.zeros(T * H + 1, dtype=torch.float32, device=topk_weights.device)
-    w2, scale = weights.w2, weights.w2_scale
-    bias = weights.w2_bias if weights.has_bias else w2
-    s_e, s_n = _scale_strides(scale)
-    return dict(down_w_ptr=w2, down_scale_ptr=scale if scale is not None else w2, down_bias_ptr=bias,
-                topk_weights_ptr=topk_weights, sums_ptr=workspace, arrivals_ptr=workspace[T * H:].view(torch.int32),
-                num_tokens=T, H=H, stride_dwe=w2.stride(0), stride_dwn=w2.stride(1), stride_dse=s_e, stride_dsn=s_n,
-                stride_dbe=bias.stride(0), FUSED_DOWN=True, DOWN_SCALE=_W_SCALE[weights.scheme.weight_granularity],
-                BLOCK_H=g.BLOCK_N, DOWN_STAGES=g.num_stages)
 
 
 def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:

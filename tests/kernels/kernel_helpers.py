@@ -49,13 +49,12 @@ def random_inputs(layer, M: int, top_k: int, *, seed: int = 1, device="cpu"):
     return x, ids, w
 
 
-def reference64(layer, x, ids, w, *, quantized_intermediate: bool = True) -> torch.Tensor:
+def reference64(layer, x, ids, w) -> torch.Tensor:
     """float64 reference on the same prepared (quantised) input as the layer's experts see."""
     pf = layer.prepare_finalize
     p = pf.prepare(x, topk_ids=ids, topk_weights=w, defer_input_quant=False, a13_scale=layer.weights.a13_scale)
     out = moe_reference(p.hidden_q, weights=layer.weights, topk_ids=ids, topk_weights=w, a_scale=p.a_scale,
-                        activation=layer.experts.activation, compute_dtype=torch.float64, swiglu=layer.experts.swiglu,
-                        quantized_intermediate=quantized_intermediate)
+                        activation=layer.experts.activation, compute_dtype=torch.float64, swiglu=layer.experts.swiglu)
     return pf.finalize(out, prepared=p, hidden_size=layer.hidden_size)
 
 

@@ -8,8 +8,6 @@ fill past N and K is in every point. Tolerances are test_fused_moe.py's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 
 import pytest
@@ -106,14 +104,6 @@ def test_a_tile_variant_changes_only_the_fields_it_names(monkeypatch):
     assert name == "n64w4"
     assert change(in_use) == MoEConfig(BLOCK_M=128, gemm1=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4,
                                                                       num_stages=2, TMA=True), gemm2=in_use.gemm2)
-
-
-def test_a_tile_variant_may_fuse_gemm2_into_gemm1(monkeypatch):
-    probe = bench_module(monkeypatch, "tma_probe")
-    in_use = MoEConfig(BLOCK_M=16, gemm1=_TILE, gemm2=_TILE)
-    _, change = probe.tile_variant('fused={"FUSED_DOWN": true, "gemm2": {"BLOCK_N": 256}}')
-    assert change(in_use) == MoEConfig(BLOCK_M=16, gemm1=_TILE, gemm2=dataclasses.replace(_TILE, BLOCK_N=256),
-                                       FUSED_DOWN=True)
 
 
 @pytest.mark.parametrize("arg, message", [

@@ -13,12 +13,13 @@ Whole forward (default): TMA in GEMM1, GEMM2 or both. --gemms: each GEMM alone, 
 (the metric of the side-by-side with vLLM), address against TMA. --install (with --gemms, without --tile) writes each
 GEMM's faster load into the tuned file's entry at that M (made from the config in use where the file has none): TMA
 only where it is at least INSTALL_MARGIN faster, so timing noise never flips a tuned entry. --tile NAME=JSON (repeated):
-the config in use ("in_use") against each, JSON holding BLOCK_M and/or the fields of "gemm1" / "gemm2" to change.
+the config in use ("in_use") against each, JSON holding top-level fields (BLOCK_M, CHAIN) and/or the fields of
+"gemm1" / "gemm2" to change.
 
 Prints one JSON row per point: each variant's µs, its ratio to the first variant (address, or in_use; > 1: the
 variant is faster) and the relative difference of its output from the first's (the same products: expected 0 for
-TMA, rounding-level for other tiles). Points whose config runs GEMV rows (BLOCK_M 1, no MMA tile) are skipped. A
-variant that fails to run is recorded with its error.
+TMA, rounding-level for other tiles). Without --tile, points whose config runs GEMV rows (BLOCK_M 1, no MMA tile) are
+skipped. A variant that fails to run is recorded with its error.
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ GEMM_VARIANTS = tma_variants({"address": (False, False), "tma": (True, True)})
 
 
 def tile_variant(arg: str) -> tuple[str, Variant]:
-    """--tile NAME=JSON -> (NAME, the config in use with JSON's BLOCK_M and gemm1 / gemm2 fields changed)."""
+    """--tile NAME=JSON -> (NAME, the config in use with JSON's top-level fields (BLOCK_M, CHAIN) and gemm1 / gemm2
+    fields changed)."""
     name, sep, text = arg.partition("=")
     try:
         change = json.loads(text) if sep and name else None
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"--tile {arg!r}: {exc}") from None
-    if not isinstance(change, dict) or set(change) - {"BLOCK_M", "gemm1", "gemm2"}:
-        raise argparse.ArgumentTypeError(f"--tile {arg!r}: expected NAME=JSON, the JSON an object of BLOCK_M, "
-                                         '"gemm1" and/or "gemm2" (e.g. n64=\'{"gemm1": {"BLOCK_N": 64}}\')')
+    if not isinstance(change, dict) or set(change) - set(MoEConfig.__dataclass_fields__):
+        raise argparse.ArgumentTypeError(f"--tile {arg!r}: expected NAME=JSON, the JSON an object of "
+                                         f"{', '.join(MoEConfig.__dataclass_fields__)} (e.g. "
+                                         'n64=\'{"gemm1": {"BLOCK_N": 64}}\')')
     for gemm in ("gemm1", "gemm2"):
         unknown = set(change.get(gemm, {})) - set(GemmConfig.__dataclass_fields__)
         if unknown:
@@ -75,8 +78,7 @@ def tile_variant(arg: str) -> tuple[str, Variant]:
 
     def changed(cfg: MoEConfig) -> MoEConfig:
         d = cfg.to_dict()
-        return MoEConfig.from_dict({"BLOCK_M": change.get("BLOCK_M", d["BLOCK_M"]),
-                                    **{gemm: d[gemm] | change.get(gemm, {}) for gemm in ("gemm1", "gemm2")}})
+        return MoEConfig.from_dict(d | change | {gemm: d[gemm] | change.get(gemm, {}) for gemm in ("gemm1", "gemm2")})
     return name, changed
 
 
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
     for name, sname, M in todo:
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
         x, ids, tw = b.inputs(name, M)
-        if launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device).BLOCK_M == 1:
+        in_use = launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device)
+        if in_use.BLOCK_M == 1 and not args.tile:  # TMA copies serve MMA tiles only
             continue
         sides, outputs, errors = (gemm_sides if args.gemms else forward_sides)(layer, x, ids, tw, variants)
         row: dict = {"point": f"{name}:{sname}:{M}"} | {f"{v}_error": e for v, e in errors.items()}

@@ -45,7 +45,7 @@ from .quant import _finite_abs
 def _expert_tile(counts_ptr, max_tokens, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(expert, m-block, n-block, the expert's valid rows) of this program."""
     e = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _tile_coords(tl.cdiv(max_tokens, BLOCK_M), N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(max_tokens, BLOCK_M), N, BLOCK_M, BLOCK_N, GROUP_M)
     return e, pid_m, pid_n, tl.load(counts_ptr + e)
 
 

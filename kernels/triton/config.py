@@ -23,6 +23,7 @@ from moerules.quant import Granularity
 
 from ..mx import MX_GROUP
 from ..scheme import Scheme
+from .align import use_naive_assignment
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -46,17 +47,23 @@ class MoEConfig:
     BLOCK_M: int
     gemm1: GemmConfig
     gemm2: GemmConfig
+    # Both GEMMs and the top-k sum in one launch, GEMM2's tiles waiting on their slot's GEMM1 tiles (chain.py): for
+    # decode batches under the naive assignment, where each launch's fixed cost is much of its time.
+    CHAIN: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
-        return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]))
+        return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
+                   CHAIN=d.get("CHAIN", False))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN only where set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
+        if not d["CHAIN"]:
+            del d["CHAIN"]
         return d
 
 
@@ -149,7 +156,8 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     table = _load_file(config_file_name(num_experts=num_experts, intermediate=intermediate,
                                         device_name=device_name, dtype=key))
     entries = table and _entries_for(table, rows_per_expert=num_tokens * top_k / num_experts,
-                                     gemv_rows=_MX_GEMV_ROWS if scheme.is_mx else 1)
+                                     gemv_rows=_MX_GEMV_ROWS if scheme.is_mx else 1,
+                                     naive=use_naive_assignment(num_tokens * top_k, num_experts))
     if entries:
         cfg = entries[min(entries, key=lambda m: abs(m - num_tokens))]
     else:
@@ -158,15 +166,16 @@ def get_config(*, num_tokens: int, num_experts: int, intermediate: int, top_k: i
     return cfg
 
 
-def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_rows: float) -> dict[int, MoEConfig]:
+def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_rows: float,
+                 naive: bool) -> dict[int, MoEConfig]:
     """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
-    up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`). Nearest M alone sent
-    Mixtral-8x7B at M=16 (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for
-    vLLM 0.33 (bench/results/s27)."""
-    if rows_per_expert <= gemv_rows:
-        return table
-    return {m: cfg for m, cfg in table.items() if cfg.BLOCK_M > 1}
+    up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`), and chained entries (CHAIN) unless
+    the batch takes the naive assignment (`naive`), the only one they run. Nearest M alone sent Mixtral-8x7B at M=16
+    (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33
+    (bench/results/s27)."""
+    return {m: cfg for m, cfg in table.items()
+            if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)}
 
 
 def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:
@@ -211,3 +220,19 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")
+    if cfg.CHAIN:
+        _check_chain(cfg, scheme)
+
+
+def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:
+    """What a chained config (chain.py) needs: one launch has one warp count and register cap, its tiles take
+    address loads, and GEMM2 reads the intermediate as GEMM1 wrote it."""
+    if scheme.quantizes_activations:
+        raise ValueError(f"CHAIN: GEMM2 must read the intermediate unquantised, and {scheme.cell} quantises it; "
+                         "remove CHAIN from this config")
+    g1, g2 = cfg.gemm1, cfg.gemm2
+    if (g1.num_warps, g1.MAXNREG) != (g2.num_warps, g2.MAXNREG):
+        raise ValueError(f"CHAIN: one launch runs both GEMMs, so gemm1 and gemm2 need the same num_warps and MAXNREG "
+                         f"(here {g1.num_warps}/{g1.MAXNREG} and {g2.num_warps}/{g2.MAXNREG})")
+    if g1.TMA or g2.TMA:
+        raise ValueError("CHAIN: the chained tiles load their weights by address; set \"TMA\": false in both GEMMs")

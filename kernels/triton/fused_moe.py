@@ -79,9 +79,9 @@ MX_GROUP = tl.constexpr(mx.MX_GROUP)
 
 
 @triton.jit
-def _tile_coords(num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped ("swizzled") program order: GROUP_M row blocks share each column sweep, for L2 reuse."""
-    pid = tl.program_id(0)
+def _tile_coords(pid, num_m_blocks, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program pid in grouped ("swizzled") order: GROUP_M row blocks share each column
+    sweep, for L2 reuse."""
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n_blocks
     first_m = (pid // per_group) * GROUP_M
@@ -629,7 +629,38 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc=None,
+        W_TMA: tl.constexpr = 0, s_desc=None):
+    """GEMM1, one program per tile (gemm1_tile)."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
+        if AMAX:
+            tl.store(amax_ptr + tl.program_id(0), 0.0)
+        return
+    gemm1_tile(pid_m, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+               sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
+               up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
+               stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
+               BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
+               PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
+               PTX_MATH, EIGHT_BIT_OUT, STAGES, w_desc, W_TMA, s_desc)
+
+
+@triton.jit
+def gemm1_tile(
+        pid_m, pid_n, program, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+        sorted_ids_ptr, expert_ids_ptr,
+        num_slots, num_experts, N, K, top_k, gate_row_step, up_row_offset,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACC_INT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
+        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
+        s_desc):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -639,13 +670,9 @@ def gemm1_gated_kernel(
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
+    STAGES: the K loop's software pipeline depth (the config's num_stages). pid_m, pid_n: the tile;
+    program: where its amax goes. The block is not past the aligned rows (the caller checks).
     """
-    wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
-        if AMAX:
-            tl.store(amax_ptr + tl.program_id(0), 0.0)
-        return
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // top_k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -679,7 +706,7 @@ def gemm1_gated_kernel(
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -711,7 +738,7 @@ def gemm1_gated_kernel(
     out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, stored, mask=tile_ok)
     if AMAX:
-        tl.store(amax_ptr + tl.program_id(0), _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
+        tl.store(amax_ptr + program, _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
 
 
 @triton.jit
@@ -724,15 +751,36 @@ def gemm2_weighted_kernel(
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None):
-    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
-
-    W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_gated_kernel)."""
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+    """GEMM2, one program per tile (gemm2_tile)."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
         return
+    gemm2_tile(pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+               sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
+               stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
+               W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank,
+               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, STAGES, w_desc, W_TMA, s_desc)
+
+
+@triton.jit
+def gemm2_tile(
+        pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+        sorted_ids_ptr, expert_ids_ptr,
+        num_slots, num_experts, N, K,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+        A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, W_FP4: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+        w_desc, W_TMA: tl.constexpr, s_desc):
+    """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
+
+    W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
+    pid_n: as in gemm1_tile."""
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -744,7 +792,7 @@ def gemm2_weighted_kernel(
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)

@@ -25,6 +25,7 @@ from moerules.errors import KernelInputError
 from moerules.quant import Granularity
 
 from .. import fp4_fragments
+from . import chain
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
 from ..mx import MX_GROUP
@@ -243,6 +244,9 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
     cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
+    if cfg.CHAIN:
+        return chained_moe(x_q, weights=weights, align=align, cfg=cfg, activation=activation,
+                           topk_weights=topk_weights, top_k=k, out_dtype=out_dtype, alloc=alloc, swiglu=swiglu)
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
     inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
@@ -256,6 +260,62 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
           lora=lora2)
     return topk_sum(out, k) if k > 1 else out
+
+
+def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg: MoEConfig, activation: Activation,
+                topk_weights: torch.Tensor, top_k: int, out_dtype: torch.dtype, alloc: Callable,
+                swiglu: SwigluParams) -> torch.Tensor:
+    """`fused_moe` as one launch (chain.py) for a chained config: x_q [T, H] unquantised activations, topk_weights
+    contiguous; `alloc` makes the slot rows (zeroed under EP, where remote slots leave theirs unwritten)."""
+    if not align.naive or weights.lora is not None:
+        raise KernelInputError(f"CHAIN runs decode batches under the naive assignment (4 * slots <= experts) and "
+                               f"without LoRA; this one has {x_q.shape[0] * top_k} slots for {weights.num_experts} "
+                               f"experts{' and LoRA adapters' if weights.lora is not None else ''}: give it a config "
+                               "without CHAIN")
+    cfg = fragment_tiles(cfg, weights.scheme)
+    g1, g2 = cfg.gemm1, cfg.gemm2
+    E, H, I = weights.num_experts, weights.hidden, weights.intermediate
+    T, slots = x_q.shape[0], align.num_blocks
+    inter = alloc(slots, I, dtype=out_dtype, device=x_q.device)
+    slot_rows = alloc(slots, H, dtype=out_dtype, device=x_q.device)
+    out = torch.empty(T, H, dtype=out_dtype, device=x_q.device)
+    interleaved = is_interleaved(activation)
+    dummy = weights.w13
+    b13, b2 = (weights.w13_bias, weights.w2_bias) if weights.has_bias else (dummy, dummy)
+    s13, s2 = weights.w13_scale, weights.w2_scale
+    column_blocks = triton.cdiv(H, g2.BLOCK_N)
+    sync = chain_sync_buffer(x_q.device, chain.SLOT_DONE.value + slots + T * column_blocks)
+    flags = _scheme_flags(weights)
+    chain.chained_moe_kernel[(slots * (triton.cdiv(I, g1.BLOCK_N) + column_blocks),)](
+        x_q, weights.w13, s13 if s13 is not None else dummy, b13, inter, weights.w2, s2 if s2 is not None else dummy,
+        b2, topk_weights, slot_rows, out, align.expert_ids, sync, dummy,
+        slots, E, H, I, 2 if interleaved else 1, 1 if interleaved else I, swiglu.limit, swiglu.alpha,
+        x_q.stride(0), weights.w13.stride(0), weights.w13.stride(1), *_scale_strides(s13), b13.stride(0),
+        weights.w2.stride(0), weights.w2.stride(1), *_scale_strides(s2), b2.stride(0),
+        W_SCALE=flags["W_SCALE"], UPCAST_W=flags["UPCAST_W"], W_FP4=flags["W_FP4"], HAS_BIAS=weights.has_bias,
+        ACTIVATION=ACTIVATION_CODE[activation], GATED=weights.gated,
+        PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, TOP_K=top_k, BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N1=g1.BLOCK_N, BLOCK_K1=g1.BLOCK_K, SWAP_AB1=g1.SWAP_AB, STAGES1=g1.num_stages,
+        BLOCK_N2=g2.BLOCK_N, BLOCK_K2=g2.BLOCK_K, SWAP_AB2=g2.SWAP_AB, STAGES2=g2.num_stages,
+        num_warps=g1.num_warps, **({"maxnreg": g1.MAXNREG} if g1.MAXNREG is not None else {}),
+        **ptx_math(x_q.device), **pdl_kwargs(x_q.device))
+    return out
+
+
+# One zeroed int32 counter buffer per (device, stream): each chained launch leaves it zeroed, so launches in one
+# stream, which run one after another, can share it, and no launch pays for a memset. A buffer outgrown is kept
+# alive: CUDA graphs captured with it still use it.
+_CHAIN_SYNC: dict[tuple, list[torch.Tensor]] = {}
+_CHAIN_SYNC_MIN = 1 << 14
+
+
+def chain_sync_buffer(device: torch.device, size: int) -> torch.Tensor:
+    """At least `size` zeroed counters for a chained launch on the current stream of `device`."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buffers = _CHAIN_SYNC.setdefault((device, stream), [])
+    if not buffers or buffers[-1].numel() < size:
+        buffers.append(torch.zeros(max(size, _CHAIN_SYNC_MIN), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
@@ -296,7 +356,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
             weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
             HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-            **flags, **_launch_kwargs(g), GATED=weights.gated,
+            **flags, **_launch_kwargs(g), STAGES=g.num_stages, GATED=weights.gated,
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
             AMAX=amax is not None, AMAX_MASK=amax is not None and _amax_mask(weights, g.BLOCK_N), NAIVE=align.naive,
@@ -341,6 +401,6 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
             *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
             inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
             weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
+            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g), STAGES=g.num_stages,
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))

@@ -36,7 +36,9 @@ TICKET, FINISHED, SLOT_DONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 @triton.jit
 def _wait_at_least(counter_ptr, target):
-    """Spin until *counter_ptr >= target, with acquire order: what was released before it got there is visible."""
+    """Spin until *counter_ptr >= target, with acquire order: what was released before it got there is visible.
+    (Polling by acquire loads after a nanosleep instead, and GEMM2's tiles prefetching their weights into L2 while
+    they wait, measured 0.83-1.0x of this on the H200: bench/results/s39.)"""
     while tl.atomic_add(counter_ptr, 0, sem="acquire") < target:
         pass
 
@@ -67,7 +69,8 @@ def chained_moe_kernel(
         STAGES1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, SWAP_AB2: tl.constexpr,
         STAGES2: tl.constexpr, PTX_MATH: tl.constexpr, PDL: tl.constexpr):
     """x [T, H] -> out [T, H] through inter [T*k, I] and the weighted slot rows slots [T*k, H] (zeroed where a slot's
-    expert is remote), with gemm1_tile's and gemm2_tile's arithmetic; one program per tile of either GEMM."""
+    expert is remote), with gemm1_tile's and gemm2_tile's arithmetic; one program per tile of either GEMM.
+    STAGES1/2: each GEMM's K-loop depth (None: the launch's, for GEMV rows)."""
     wait_for_previous_kernel(PDL)
     ticket = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed")
     gemm1_tiles = num_slots * tl.cdiv(I, BLOCK_N1)

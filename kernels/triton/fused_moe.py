@@ -629,9 +629,8 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None):
-    """GEMM1, one program per tile (gemm1_tile)."""
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+    """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
@@ -644,7 +643,7 @@ def gemm1_gated_kernel(
                stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
                BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, STAGES, w_desc, W_TMA, s_desc)
+               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc)
 
 
 @triton.jit
@@ -670,8 +669,10 @@ def gemm1_tile(
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
-    STAGES: the K loop's software pipeline depth (the config's num_stages). pid_m, pid_n: the tile;
-    program: where its amax goes. The block is not past the aligned rows (the caller checks).
+    STAGES: the K loop's software pipeline depth, or None for the launch's num_stages. A depth set on the loop
+    pipelines the GEMV rows' loop (no tl.dot) through shared memory, which the launch's leaves alone: DeepSeek-V3
+    bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile; program: where its amax
+    goes. The block is not past the aligned rows (the caller checks).
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // top_k
@@ -751,9 +752,9 @@ def gemm2_weighted_kernel(
         HAS_BIAS: tl.constexpr, ACC_INT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
-        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
-    """GEMM2, one program per tile (gemm2_tile)."""
+        HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
+        W_TMA: tl.constexpr = 0, s_desc=None):
+    """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
@@ -762,7 +763,7 @@ def gemm2_weighted_kernel(
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank,
-               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, STAGES, w_desc, W_TMA, s_desc)
+               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc)
 
 
 @triton.jit

@@ -286,6 +286,9 @@ def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg
     column_blocks = triton.cdiv(H, g2.BLOCK_N)
     sync = chain_sync_buffer(x_q.device, chain.SLOT_DONE.value + slots + T * column_blocks)
     flags = _scheme_flags(weights)
+
+    def stages(g: GemmConfig) -> Optional[int]:  # each MMA loop its own depth; GEMV rows the launch's (gemm1_tile)
+        return None if cfg.BLOCK_M == 1 else g.num_stages
     chain.chained_moe_kernel[(slots * (triton.cdiv(I, g1.BLOCK_N) + column_blocks),)](
         x_q, weights.w13, s13 if s13 is not None else dummy, b13, inter, weights.w2, s2 if s2 is not None else dummy,
         b2, topk_weights, slot_rows, out, align.expert_ids, sync, dummy,
@@ -295,8 +298,8 @@ def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg
         W_SCALE=flags["W_SCALE"], UPCAST_W=flags["UPCAST_W"], W_FP4=flags["W_FP4"], HAS_BIAS=weights.has_bias,
         ACTIVATION=ACTIVATION_CODE[activation], GATED=weights.gated,
         PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, TOP_K=top_k, BLOCK_M=cfg.BLOCK_M,
-        BLOCK_N1=g1.BLOCK_N, BLOCK_K1=g1.BLOCK_K, SWAP_AB1=g1.SWAP_AB, STAGES1=g1.num_stages,
-        BLOCK_N2=g2.BLOCK_N, BLOCK_K2=g2.BLOCK_K, SWAP_AB2=g2.SWAP_AB, STAGES2=g2.num_stages,
+        BLOCK_N1=g1.BLOCK_N, BLOCK_K1=g1.BLOCK_K, SWAP_AB1=g1.SWAP_AB, STAGES1=stages(g1),
+        BLOCK_N2=g2.BLOCK_N, BLOCK_K2=g2.BLOCK_K, SWAP_AB2=g2.SWAP_AB, STAGES2=stages(g2),
         num_warps=g1.num_warps, **({"maxnreg": g1.MAXNREG} if g1.MAXNREG is not None else {}),
         **ptx_math(x_q.device), **pdl_kwargs(x_q.device))
     return out
@@ -356,7 +359,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
             weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
             HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
-            **flags, **_launch_kwargs(g), STAGES=g.num_stages, GATED=weights.gated,
+            **flags, **_launch_kwargs(g), GATED=weights.gated,
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
             AMAX=amax is not None, AMAX_MASK=amax is not None and _amax_mask(weights, g.BLOCK_N), NAIVE=align.naive,
@@ -401,6 +404,6 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
             *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
             inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
             weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g), STAGES=g.num_stages,
+            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False))

@@ -9,38 +9,49 @@ import inspect
 import pytest
 import torch
 
-from moerules.kernels.triton import align, fused_moe, pdl, quant, topk_sum
+from moerules.kernels.triton import align, chain, fused_moe, pdl, quant, topk_sum
 
 
-def _kernels_taking_pdl():
-    for module in (align, fused_moe, quant, topk_sum):
+def _functions_taking_pdl():
+    for module in (align, chain, fused_moe, quant, topk_sum):
         tree = ast.parse(inspect.getsource(module))
         for fn in tree.body:
             if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args]:
                 yield f"{module.__name__}.{fn.name}", fn
 
 
-KERNELS = dict(_kernels_taking_pdl())
+TAKING_PDL = dict(_functions_taking_pdl())
+KERNELS = {name: fn for name, fn in TAKING_PDL.items() if name.endswith("_kernel")}
+GEMM_TILES = {name: fn for name, fn in TAKING_PDL.items() if name.endswith("_tile")}
+
+
+def _body(fn: ast.FunctionDef) -> list:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
+        body = body[1:]
+    return body
 
 
 def test_the_forward_kernels_launch_dependently():
     assert {name.rsplit(".", 1)[1] for name in KERNELS} == {
         "_count_kernel", "_run_offsets_kernel", "_one_program_align_kernel", "_block_experts_kernel",
-        "_scatter_kernel", "gemm1_gated_kernel", "gemm2_weighted_kernel", "_tensor_amax_kernel",
-        "_tensor_quant_kernel", "_token_quant_kernel", "_mx_dequant_kernel", "_group_quant_kernel",
-        "_partials_scale_kernel", "_topk_sum_kernel"}
+        "_scatter_kernel", "gemm1_gated_kernel", "gemm2_weighted_kernel", "chained_moe_kernel",
+        "_tensor_amax_kernel", "_tensor_quant_kernel", "_token_quant_kernel", "_mx_dequant_kernel",
+        "_group_quant_kernel", "_partials_scale_kernel", "_topk_sum_kernel"}
+    assert set(TAKING_PDL) == set(KERNELS) | set(GEMM_TILES)
+    assert {name.rsplit(".", 1)[1] for name in GEMM_TILES} == {"gemm1_tile", "gemm2_tile"}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_waits_before_anything_else(name):
-    body = KERNELS[name].body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # the docstring
-        body = body[1:]
-    first = ast.unparse(body[0])
-    assert first in ("dependent_launch_entry(PDL)", "wait_for_previous_kernel(PDL)"), name
-    if first == "wait_for_previous_kernel(PDL)":  # the GEMMs free the next launch right after their K loop
-        lets = [i for i, node in enumerate(body) if ast.unparse(node) == "let_next_kernel_launch(PDL)"]
-        assert len(lets) == 1 and isinstance(body[lets[0] - 1], ast.For), name
+    assert ast.unparse(_body(KERNELS[name])[0]) in ("dependent_launch_entry(PDL)", "wait_for_previous_kernel(PDL)")
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_TILES))
+def test_a_gemm_tile_frees_the_next_launch_right_after_its_k_loop(name):
+    body = _body(GEMM_TILES[name])
+    lets = [i for i, node in enumerate(body) if ast.unparse(node) == "let_next_kernel_launch(PDL)"]
+    assert len(lets) == 1 and isinstance(body[lets[0] - 1], ast.For), name
 
 
 def test_off_the_gpu_kernels_launch_plainly():

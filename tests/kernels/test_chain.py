@@ -179,3 +179,13 @@ def test_the_tile_probe_times_a_chained_variant(monkeypatch):
     """bench/tma_probe.py --tile 'chain={"CHAIN": true}': the config in use, chained."""
     name, change = bench_module(monkeypatch, "tma_probe").tile_variant('chain={"CHAIN": true}')
     assert (name, change(MMA)) == ("chain", chained(MMA))
+
+
+@pytest.mark.parametrize("num_tokens, chains", [(1, False), (2, False), (3, True), (4, True), (5, False)])
+def test_the_h200_file_chains_qwen3_decode_at_three_and_four_tokens(num_tokens, chains):
+    """Qwen3-30B-A3B bf16 on the H200: chained 1.06x / 1.09x faster at M=3 / 4, 0.94-0.98x at M=1-2 (bench/results/
+    s39); M=5 is past the naive assignment."""
+    got = config.get_config(num_tokens=num_tokens, num_experts=128, intermediate=768, top_k=8,
+                            scheme=Scheme.from_quant(quant_for_cell("unquantized")), in_dtype_name="bf16",
+                            device_name="NVIDIA H200")
+    assert got.CHAIN is chains

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moerules.kernels.scheme import Scheme
+from moerules.kernels.scheme import Scheme, quant_for_cell
 from moerules.kernels.triton import config
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, default_config
 from moerules.quant import QuantConfig, QuantFamily
@@ -51,3 +51,18 @@ def test_mx_gemv_rows_serve_at_most_an_eighth_of_a_row_per_expert(monkeypatch, n
     1.14x in MXFP8)."""
     table = {1: GEMV, 16: MMA16}
     assert lookup(monkeypatch, table, num_tokens=num_tokens, num_experts=128, top_k=4, scheme=scheme) == expected
+
+
+FILE_SCHEMES = {"bf16": "unquantized", "fp8_w8a8": "fp8_w8a8/tensor/tensor",
+                "fp8_w8a8_block128": "fp8_w8a8/block128/group128", "mxfp4_w4a16": "mxfp4_w4a16/group32",
+                "mxfp8": "mxfp8/group32/group32"}
+
+
+@pytest.mark.parametrize("path", sorted(config.CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_committed_data_file_passes_check_config(path):
+    """A tuned file the kernels cannot run must fail here, not at a user's first forward."""
+    scheme = Scheme.from_quant(quant_for_cell(FILE_SCHEMES[path.stem.rsplit("dtype=", 1)[1]]))
+    table = config._load_file(path.name)
+    assert table
+    for cfg in table.values():
+        config.check_config(cfg, scheme)

@@ -18,7 +18,13 @@ runs them all:
 - The program that finishes last zeroes the counters, so the next launch finds them as the first did.
 
 Schemes whose intermediate GEMM2 reads as GEMM1 wrote it (no activation quantisation), under the naive assignment
-(align.py: one slot per block), without LoRA or TMA copies: launch.check_chain says so when a config asks otherwise.
+(align.py: one slot per block), without LoRA or TMA copies (config._check_chain and launch.chained_moe refuse the
+rest).
+
+Measured on the H200 (bench/results/s39, whole forward): 0.92-0.97x of the three launches at every M=1 point, where
+every slot finishes at about the same time and the ticket and finish atomics add 2.4-3.8 us; 1.11x at Qwen3-30B-A3B
+bf16 M=4, where the tiles outnumber what is resident and early slots' GEMM2 tiles run while later slots' GEMM1 tiles
+stream. So the tuned files choose it per M.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ def chained_moe_kernel(
                    stride_w2e, stride_w2n, stride_w2se, stride_w2sn, stride_b2e, H, 0, W_SCALE, UPCAST_W, W_FP4,
                    HAS_BIAS, False, BLOCK_M, BLOCK_N2, BLOCK_K2, SWAP_AB2, dummy_ptr, dummy_ptr, 0, 0, 0, 0, False,
                    16, True, PDL, STAGES2, None, 0, None)
-        tl.debug_barrier()
+        tl.debug_barrier()  # the slot row's stores precede the arrival
         token = slot // TOP_K
         arrived = tl.atomic_add(sum_counters + token * column_blocks + pid_n, 1, sem="acq_rel")
         if arrived == TOP_K - 1:

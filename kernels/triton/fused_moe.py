@@ -9,6 +9,9 @@ columns, one MMA per K step, splits the accumulator after the K loop and writes 
 and (2n, 2n + 1) when interleaved (gpt-oss). With GATED False (the `*_no_mul` activations, w13 has I
 rows) the tile holds BLOCK_N rows and it writes act(h).
 
+Each GEMM's work for one tile is a function (`gemm1_tile`, `gemm2_tile`), run one program per tile by its kernel
+here and by the chained decode kernel (chain.py).
+
 SWAP_AB (a config field): the weight tile is the MMA's M side and the tokens its N side (`_dot`).
 
 TMA (a config field, W_TMA here; sm_90+, MMA tiles): each weight tile is one TMA copy of a box of a view of the

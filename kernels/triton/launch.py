@@ -1,7 +1,8 @@
 """Host side of the Triton fused MoE: align, GEMM1(+activation), re-quantise, GEMM2(+router weight), top-k sum.
 
-At decode sizes the naive assignment launches nothing (align.py); on sm_90 each kernel is launched while the one
-before it finishes (pdl.py).
+At decode sizes the naive assignment launches nothing (align.py), and a chained config (MoEConfig.CHAIN) runs both
+GEMMs and the sum as one launch (chain.py); on sm_90 each kernel is launched while the one before it finishes
+(pdl.py).
 
 With LoRA adapters, a shrink kernel runs before each GEMM over the same sorted blocks, on the
 unquantised GEMM input (x, and GEMM1's output before any re-quantisation); the GEMM epilogues
@@ -25,12 +26,12 @@ from moerules.errors import KernelInputError
 from moerules.quant import Granularity
 
 from .. import fp4_fragments
-from . import chain
 from ..activations import is_interleaved
 from ..lora import LoRAWeights
 from ..mx import MX_GROUP
 from ..scheme import Scheme
 from ..weights import MoEWeights
+from . import chain
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, get_config
 from .device import device_name, ptx_math
@@ -267,11 +268,7 @@ def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg
                 swiglu: SwigluParams) -> torch.Tensor:
     """`fused_moe` as one launch (chain.py) for a chained config: x_q [T, H] unquantised activations, topk_weights
     contiguous; `alloc` makes the slot rows (zeroed under EP, where remote slots leave theirs unwritten)."""
-    if not align.naive or weights.lora is not None:
-        raise KernelInputError(f"CHAIN runs decode batches under the naive assignment (4 * slots <= experts) and "
-                               f"without LoRA; this one has {x_q.shape[0] * top_k} slots for {weights.num_experts} "
-                               f"experts{' and LoRA adapters' if weights.lora is not None else ''}: give it a config "
-                               "without CHAIN")
+    _check_chained_batch(weights, align, slots=x_q.shape[0] * top_k)
     cfg = fragment_tiles(cfg, weights.scheme)
     g1, g2 = cfg.gemm1, cfg.gemm2
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
@@ -305,11 +302,20 @@ def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg
     return out
 
 
+def _check_chained_batch(weights: MoEWeights, align: Alignment, *, slots: int) -> None:
+    """What a chained launch needs of the batch, beyond its config (config._check_chain)."""
+    if not align.naive or weights.lora is not None:
+        raise KernelInputError(f"CHAIN runs decode batches under the naive assignment (4 * slots <= experts) and "
+                               f"without LoRA; this one has {slots} slots for {weights.num_experts} experts"
+                               f"{' and LoRA adapters' if weights.lora is not None else ''}: give it a config without "
+                               "CHAIN")
+
+
 # One zeroed int32 counter buffer per (device, stream): each chained launch leaves it zeroed, so launches in one
 # stream, which run one after another, can share it, and no launch pays for a memset. A buffer outgrown is kept
 # alive: CUDA graphs captured with it still use it.
 _CHAIN_SYNC: dict[tuple, list[torch.Tensor]] = {}
-_CHAIN_SYNC_MIN = 1 << 14
+_CHAIN_SYNC_MIN = 1 << 12
 
 
 def chain_sync_buffer(device: torch.device, size: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ from moerules.kernels.registry import EXPERTS
 from moerules.kernels.routing import fused_topk
 from moerules.kernels.scheme import TORCH_DTYPE, Scheme, scheme_cells
 from moerules.kernels.scheme import quant_for_cell as quant_of
+from moerules.kernels.triton.align import use_naive_assignment
 from moerules.kernels.triton.config import (CONFIG_DIR, MAXNREG_RANGE, GemmConfig, MoEConfig, _load_file,
                                            check_config, config_file_name, default_config, dtype_key)
 from moerules.kernels.triton.device import device_name
@@ -411,6 +412,7 @@ class Bench:
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
     FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG")
+    MOE_FIELDS = ("CHAIN",)  # swept after both GEMMs' fields (`chain_moves`)
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -434,7 +436,8 @@ class Bench:
         """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
-        field's best before the next (--fields: only those, from the config in use; --seeds-only: none). A config
+        field's best before the next, then CHAIN (`chain_moves`; --fields: only those, from the config in use;
+        --seeds-only: none). A config
         replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
         faster when the two are timed again, in turn, CONFIRM_ROUNDS times (`fastest_interleaved`): single timings
         drift at large M."""
@@ -538,16 +541,36 @@ class Bench:
         return MoEConfig(BLOCK_M=1, gemm1=g, gemm2=g)
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
-        """One pass over the fields of gemm1, then of gemm2; `best` is (µs, MoEConfig)."""
+        """One pass over the fields of gemm1, then of gemm2, then CHAIN; `best` is (µs, MoEConfig)."""
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
+        fields = self.args.fields or self.FIELDS + self.MOE_FIELDS
         for which in ("gemm1", "gemm2"):
-            for field in self.args.fields or self.FIELDS:
+            for field in (f for f in fields if f in self.FIELDS):
                 moves = self.moves(getattr(best[1], which), field, m_blocks, gemv=best[1].BLOCK_M == 1)
-                cfgs = [replace(best[1], **{which: g}) for g in moves]
-                found = self.pick(run, self.valid(cfgs, scheme))
-                if found and found[0] < best[0]:
-                    best = found
+                best = self.faster(run, best, [replace(best[1], **{which: g}) for g in moves], scheme)
+        if "CHAIN" in fields:
+            best = self.faster(run, best, self.chain_moves(best[1], M, model, scheme), scheme)
         return best
+
+    def faster(self, run, best, cfgs, scheme: Scheme):
+        """The fastest of `best` (µs, config) and the valid cfgs."""
+        found = self.pick(run, self.valid(cfgs, scheme))
+        return found if found and found[0] < best[0] else best
+
+    def chain_moves(self, cfg: MoEConfig, M: int, model: Model, scheme: Scheme) -> list[MoEConfig]:
+        """A chained cfg unchained; else cfg chained (MoEConfig.CHAIN) as one launch runs it (gemm2 on gemm1's warps
+        and register cap, both GEMMs loading by address), with gemm2 as wide, half and twice as wide: where the batch
+        takes the naive assignment and GEMM2 reads the intermediate unquantised. On the H200 chaining lost at every
+        M=1 point and won 1.11x at Qwen3-30B-A3B bf16 M=4 with gemm2 twice as wide (bench/results/s39)."""
+        if cfg.CHAIN:
+            return [replace(cfg, CHAIN=False)]
+        if not use_naive_assignment(M * model.k, model.E) or scheme.quantizes_activations:
+            return []
+        g1 = replace(cfg.gemm1, TMA=False)
+        g2 = replace(cfg.gemm2, TMA=False, num_warps=g1.num_warps, MAXNREG=g1.MAXNREG)
+        narrowest = self.GEMV_BLOCK_N_MIN if cfg.BLOCK_M == 1 else 16
+        widths = [g2.BLOCK_N] + [n for n in (g2.BLOCK_N // 2, g2.BLOCK_N * 2) if narrowest <= n <= 256]
+        return [replace(cfg, gemm1=g1, gemm2=replace(g2, BLOCK_N=n), CHAIN=True) for n in widths]
 
     def moves(self, g: GemmConfig, field: str, m_blocks: int, *, gemv: bool) -> list[GemmConfig]:
         """g with `field` moved to each of its values; a BLOCK_N move also comes with num_warps moved in step (the
@@ -794,8 +817,9 @@ def main(argv=None):
     p.add_argument("--peer-configs", metavar="VLLM_DIR",
                    help="tune: also seed with vLLM 0.33's config at each point (its fused_moe.py + configs/, as "
                         "bench/get_vllm_triton.sh puts them in carry/vllm033), translated to our tiles")
-    p.add_argument("--fields", nargs="+", choices=Bench.FIELDS,
-                   help="tune: sweep only these GemmConfig fields, from the config in use (no other seeds)")
+    p.add_argument("--fields", nargs="+", choices=Bench.FIELDS + Bench.MOE_FIELDS,
+                   help="tune: sweep only these GemmConfig fields (and CHAIN), from the config in use (no other "
+                        "seeds)")
     p.add_argument("--seeds-only", action="store_true",
                    help="tune: keep the fastest seed (checked and confirmed as any winner), without the sweep")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")

@@ -110,3 +110,23 @@ def test_mxfp4_configs_are_timed_and_recorded_as_the_gemms_run_them(tuner):
     assert tuner.valid(cfgs, MXFP4) == [MoEConfig(1, runs_as, runs_as)]
     bf16 = Scheme.from_quant(QuantConfig(family=F.unquantized))
     assert tuner.valid(cfgs, bf16) == cfgs
+
+
+def test_the_sweep_offers_the_chained_launch_at_naive_decode_points_only(tuner):
+    """CHAIN (kernels/triton/chain.py): the config chained as one launch runs it (gemm2 on gemm1's warps, no TMA), at
+    gemm2's width, half and double; the chained config unchained; nothing past the naive assignment or where GEMM2's
+    input is quantised."""
+    moe, tuner.smoke = type(tuner), False
+    model = types.SimpleNamespace(E=128, k=8)
+    g1 = GemmConfig(BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=5)
+    g2 = GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=5, TMA=True)
+    cfg = MoEConfig(BLOCK_M=16, gemm1=g1, gemm2=g2)
+    bf16, fp8 = (Scheme.from_quant(QuantConfig(family=f)) for f in (F.unquantized, F.fp8_w8a8))
+    chained = [MoEConfig(16, g1, dataclasses.replace(g2, BLOCK_N=n, num_warps=4, TMA=False), CHAIN=True)
+               for n in (64, 32, 128)]
+    assert tuner.chain_moves(cfg, 4, model, bf16) == chained
+    assert tuner.valid(chained, bf16) == chained
+    assert tuner.chain_moves(chained[2], 4, model, bf16) == [dataclasses.replace(chained[2], CHAIN=False)]
+    assert tuner.chain_moves(cfg, 5, model, bf16) == []   # 40 slots for 128 experts: sorted blocks
+    assert tuner.chain_moves(cfg, 4, model, fp8) == []
+    assert "CHAIN" in moe.MOE_FIELDS

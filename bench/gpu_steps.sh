@@ -7,7 +7,8 @@
 #             seeded with vLLM's configs and the neighbouring M's entries; installs the configs
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
-#   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join
+#   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join (and
+#             the chained launch, CHAIN, where the naive assignment holds)
 #   tune_all  tune every point of the grid for this GPU (e.g. a first H200 set), model by model: TUNE_MODELS
 #             (default all four), TUNE_SECONDS per model (default 140), TUNE_SCHEMES and TUNE_MS (default the whole M grid) fit it
 #             into several calls; TUNE_ARGS adds bench/moe.py options (e.g. --fields TMA num_stages)
@@ -61,7 +62,7 @@ tune() {  # TUNE_POINTS, model:scheme:M (default the weakest side-by-side points
 }
 decode() {
   tune_one 35 mixtral-8x7b --schemes bf16 fp8_tensor --ms 1
-  tune_one 60 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 16
+  tune_one 80 qwen3-30b-a3b --schemes bf16 fp8_tensor --ms 1 4 16  # M=4: the chained launch's point (s39)
   tune_one 100 deepseek-v3 --schemes bf16 fp8_tensor fp8_block --ms 1 16
   tune_one 100 gpt-oss-120b --schemes bf16 fp8_tensor mxfp4 --ms 1 16
 }

@@ -43,8 +43,9 @@ TICKET, FINISHED, SLOT_DONE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 @triton.jit
 def _wait_at_least(counter_ptr, target):
     """Spin until *counter_ptr >= target, with acquire order: what was released before it got there is visible.
-    (Polling by acquire loads after a nanosleep instead, and GEMM2's tiles prefetching their weights into L2 while
-    they wait, measured 0.83-1.0x of this on the H200: bench/results/s39.)"""
+    (Measured on the H200 against this, and not kept: polling by acquire loads after a nanosleep, 0.98x; GEMM2's
+    tiles prefetching their weights into L2 while they wait, by bulk copies 0.83-0.96x, by one prefetch per 128-byte
+    line 0.74-0.98x: bench/results/s39.)"""
     while tl.atomic_add(counter_ptr, 0, sem="acquire") < target:
         pass
 

@@ -189,3 +189,27 @@ def test_the_h200_file_chains_qwen3_decode_at_three_and_four_tokens(num_tokens, 
                             scheme=Scheme.from_quant(quant_for_cell("unquantized")), in_dtype_name="bf16",
                             device_name="NVIDIA H200")
     assert got.CHAIN is chains
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_chained_forward_replays_to_the_eager_output(monkeypatch):
+    """As a serving engine runs decode: the forward captured in a CUDA graph (on torch's capture stream, whose
+    counter buffer is first made inside the capture) and replayed, between eager calls on the default stream."""
+    run_with_config(monkeypatch, lambda _: chained(MMA))
+    layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, E=64, device=DEVICE)
+    x, ids, w = random_inputs(layer, 2, 8, device=DEVICE)
+    eager = layer(x, topk_ids=ids, topk_weights=w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, topk_ids=ids, topk_weights=w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(x, topk_ids=ids, topk_weights=w)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), eager)
+    assert sync_counters_zero()

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .fused_moe import _tile_coords, gemm1_tile, gemm2_tile
 from .pdl import wait_for_previous_kernel
+from .topk_sum import sum_token_columns
 
 # The counters' layout in the int32 sync buffer (launch.chain_sync_buffer): [ticket, finished, slot done ...,
 # token column blocks arrived ...].
@@ -48,19 +49,6 @@ def _wait_at_least(counter_ptr, target):
     line 0.74-0.98x: bench/results/s39.)"""
     while tl.atomic_add(counter_ptr, 0, sem="acquire") < target:
         pass
-
-
-@triton.jit
-def _sum_token_columns(slots_ptr, out_ptr, token, pid_n, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[token, cols] = the fp32 sum of the token's TOP_K slot rows there, in slot order, rounded once. The rows
-    were stored by other programs: read from L2 (.cg), after the counter's acquire."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < H
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(slots_ptr + (token * TOP_K + j) * H + cols, mask=ok, other=0.0,
-                       cache_modifier=".cg").to(tl.float32)
-    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -105,7 +93,8 @@ def chained_moe_kernel(
         token = slot // TOP_K
         arrived = tl.atomic_add(sum_counters + token * column_blocks + pid_n, 1, sem="acq_rel")
         if arrived == TOP_K - 1:
-            _sum_token_columns(slots_ptr, out_ptr, token, pid_n, H, TOP_K, BLOCK_N2)
+            # the rows other programs stored, from L2, after the counter's acquire
+            sum_token_columns(slots_ptr, out_ptr, token, pid_n * BLOCK_N2 + tl.arange(0, BLOCK_N2), H, TOP_K, ".cg")
     programs = gemm1_tiles + num_slots * column_blocks
     if tl.atomic_add(sync_ptr + FINISHED, 1, sem="acq_rel") == programs - 1:
         used = SLOT_DONE + num_slots + (num_slots // TOP_K) * column_blocks

@@ -18,15 +18,21 @@ _BLOCK_H = 1024
 
 
 @triton.jit
+def sum_token_columns(src_ptr, out_ptr, t, cols, H, TOP_K: tl.constexpr, CACHE: tl.constexpr):
+    """out[t, cols] = the fp32 sum of token t's TOP_K slot rows of src there, in slot order, rounded once (the bits
+    of torch's sum over dim 1). CACHE: the loads' cache modifier (".cg" reads rows other programs stored from L2)."""
+    ok = cols < H
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _topk_sum_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     dependent_launch_entry(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(src_ptr + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    sum_token_columns(src_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+                      tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), H, TOP_K, "")
 
 
 def topk_sum(slots: torch.Tensor, top_k: int) -> torch.Tensor:

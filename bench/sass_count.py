@@ -12,7 +12,8 @@ the arguments and Triton's specialisations (ints equal to 1 become constants, mu
 hints) are those a GPU run would compile; the alignment kernel is replaced by its shapes. Each launch is then
 compiled for sm_90 with the ptxas of the triton wheel and disassembled. Printed per GEMM: the config, the main
 loop (the longest backward branch of the SASS: the K loop), its instructions per weight per thread, registers
-(occupancy), shared memory, the MMA instruction, the loop's memory instructions and what it waits on.
+(occupancy), shared memory, the MMA instruction, the loop's memory instructions and what it waits on
+(results.json also counts the loop's opcodes).
 With --triton-kernels, each MXFP4 point also gets triton_kernels' two GEMMs, captured from its own launcher as
 bench/tk_mxfp4.py calls it (vLLM 0.33's calls), with the device queries answered as an H200's and routing stand-ins
 of the real dtypes and shapes. The counts match ncu's (gpt-oss-20b M=256: the 64x256x128 tile at 173 and 175
@@ -307,7 +308,8 @@ def count(item: Launch, workdir: Path) -> dict:
             "loop_instructions": len(loop), "per_weight": round(len(loop) / weights_per_thread, 2),
             "outside_loop": len(_INSTRUCTION.findall(sass)) - len(loop),
             "registers": registers, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared, "mma": mma,
-            "loop_memory": memory, "loop_syncs": syncs}
+            "loop_memory": memory, "loop_syncs": syncs,
+            "loop_opcodes": dict(sorted(Counter(op.split(".")[0] for op in loop).items()))}
 
 
 def point_rows(model_name: str, scheme_name: str, M: int, *, device_name: str, config: dict | None,

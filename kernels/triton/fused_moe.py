@@ -151,13 +151,21 @@ def _e2m1_x2pow14(t):
 
 @triton.jit
 def _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok, stride_wsn, k0,
-                 A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
-    """Scales of one K step under 128x128 block scaling: a 1x128 group scale per row, a block scale per column."""
+                 A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, W_BLOCKS: tl.constexpr = 0):
+    """Scales of one K step under 128x128 block scaling: a 1x128 group scale per row, and a block scale per column
+    (W_BLOCKS 0), or (`_k_step`'s block_rows: first rows of real tiles, so below N) one (1) or a pair: the gate
+    half's, the up half's (2)."""
     if A_SCALE == 3:
         sa = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // SCALE_BLOCK, mask=row_ok, other=0.0)
     else:
         sa = tl.full(a_rows.shape, 1.0, tl.float32)
-    sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
+    if W_BLOCKS == 2:
+        sw = (tl.load(w_scale_e + (w_rows[0] // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK),
+              tl.load(w_scale_e + (w_rows[1] // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK))
+    elif W_BLOCKS == 1:
+        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK)
+    else:
+        sw = tl.load(w_scale_e + (w_rows // SCALE_BLOCK) * stride_wsn + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)
     return sa, sw
 
 
@@ -208,12 +216,27 @@ def _dot(a, w, acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_AB: tl.constexpr):
+def _mma(acc, a, b, sa, sw, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, SWAP_AB: tl.constexpr,
+         W_BLOCKS: tl.constexpr = 0):
     if UPCAST_W:
         b = b.to(a.dtype)
     if W_SCALE == 3:
         step = _dot(a, b, tl.zeros(acc.shape, tl.float32), SWAP_AB)
-        if SWAP_AB:
+        if W_BLOCKS == 2:  # per half; which half an accumulator register holds is known at compile time
+            gate, up = sa * sw[0], sa * sw[1]
+            if SWAP_AB:
+                first = tl.arange(0, acc.shape[0]) < acc.shape[0] // 2
+                acc += step * tl.where(first[:, None], gate[None, :], up[None, :])
+            else:
+                first = tl.arange(0, acc.shape[1]) < acc.shape[1] // 2
+                acc += step * tl.where(first[None, :], gate[:, None], up[:, None])
+        elif W_BLOCKS == 1:
+            factor = sa * sw
+            if SWAP_AB:
+                acc += step * factor[None, :]
+            else:
+                acc += step * factor[:, None]
+        elif SWAP_AB:
             acc += step * sw[:, None] * sa[None, :]
         else:
             acc += step * sa[:, None] * sw[None, :]
@@ -399,12 +422,16 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
             stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
             UPCAST_W: tl.constexpr, W_FP4: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, w_desc=None, tma_e=0, tma_row=0, W_TMA: tl.constexpr = 0,
-            s_desc=None):
+            s_desc=None, block_rows=None, W_BLOCKS: tl.constexpr = 0):
     """acc += a . w[w_rows, k0:k0+BLOCK_K] for one K step, in the arithmetic of the scheme codes.
 
     w_rows and slab_rows are real rows (`_real_rows`), so the weight loads mask K alone; col_ok masks the block
     scales of the columns past N. W_TMA: the tile is w_desc's box at [tma_e, tma_row, k0] instead (`_tma_tile`;
-    MXFP4, w_desc's and s_desc's boxes of its slabs: `_fp4_tma_runs`)."""
+    MXFP4, w_desc's and s_desc's boxes of its slabs: `_fp4_tma_runs`). W_BLOCKS 1 or 2, under block scaling: the
+    tile's rows lie in one 128-row block (block_rows: the tile's first row) or each half of them in one (a pair: the
+    first gate row, the first up row). Each K step then loads one or two weight scales and multiplies them into the
+    row scales, and each accumulator element takes one FFMA, not an FMUL and an FFMA (the select between the halves'
+    factors folds away). 0: a scale per row."""
     if W_FP4:
         acc = _fp4_mma(acc, a, w_e, w_scale_e, slab_rows, stride_wn, stride_wsn, k0, K, W_FP4, PAIRED,
                        BLOCK_N, BLOCK_K, SWAP_AB, w_desc, s_desc, tma_e, tma_row, W_TMA)
@@ -421,9 +448,10 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
         else:
             sa, sw = 1.0, 1.0  # unused unless block-scaled
             if W_SCALE == 3:
-                sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e, w_rows, col_ok,
-                                      stride_wsn, k0, A_SCALE, W_SCALE)
-            acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W, SWAP_AB)
+                sa, sw = _step_scales(a_scale_ptr, a_rows, row_ok, stride_asm, w_scale_e,
+                                      w_rows if W_BLOCKS == 0 else block_rows, col_ok, stride_wsn, k0, A_SCALE,
+                                      W_SCALE, W_BLOCKS)
+            acc = _mma(acc, a, b, sa, sw, W_SCALE, UPCAST_W, SWAP_AB, W_BLOCKS)
     return acc
 
 
@@ -632,7 +660,8 @@ def gemm1_gated_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None):
+        PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
+        W_BLOCKS: tl.constexpr = 0):
     """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -646,7 +675,7 @@ def gemm1_gated_kernel(
                stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
                BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc)
+               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS)
 
 
 @triton.jit
@@ -662,7 +691,7 @@ def gemm1_tile(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
-        s_desc):
+        s_desc, W_BLOCKS: tl.constexpr = 0):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -675,7 +704,8 @@ def gemm1_tile(
     STAGES: the K loop's software pipeline depth, or None for the launch's num_stages. A depth set on the loop
     pipelines the GEMV rows' loop (no tl.dot) through shared memory, which the launch's leaves alone: DeepSeek-V3
     bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile; program: where its amax
-    goes. The block is not past the aligned rows (the caller checks).
+    goes. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
+    the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     a_rows = slot // top_k
@@ -709,6 +739,9 @@ def gemm1_tile(
         slab_rows = _real_rows(slab_rows, pid_n * BLOCK_N + slab % BLOCK_N < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
+    block_rows = pid_n * W_COLS  # W_BLOCKS 1 (_k_step): non-gated, or interleaved pairs, the rows consecutive
+    if W_BLOCKS == 2:
+        block_rows = (pid_n * BLOCK_N, up_row_offset + pid_n * BLOCK_N)
     acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -716,7 +749,7 @@ def gemm1_tile(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
-                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc)
+                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc, block_rows, W_BLOCKS)
     let_next_kernel_launch(PDL)
     acc = _acc_rows_first(acc, SWAP_AB)
     if ALTERNATING:
@@ -756,7 +789,7 @@ def gemm2_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None):
+        W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -766,7 +799,8 @@ def gemm2_weighted_kernel(
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank,
-               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc)
+               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc,
+               W_BLOCKS)
 
 
 @triton.jit
@@ -780,11 +814,11 @@ def gemm2_tile(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        w_desc, W_TMA: tl.constexpr, s_desc):
+        w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
-    pid_n: as in gemm1_tile."""
+    pid_n, W_BLOCKS (0 or 1): as in gemm1_tile."""
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -802,7 +836,8 @@ def gemm2_tile(
         a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
-                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc)
+                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc, pid_n * BLOCK_N,
+                      W_BLOCKS)
     let_next_kernel_launch(PDL)
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)

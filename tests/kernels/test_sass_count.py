@@ -135,3 +135,18 @@ def test_the_main_loop_is_the_longest_backward_branch(monkeypatch):
         "        /*0070*/                   EXIT ;",
     ])
     assert bench_module(monkeypatch, "sass_count").main_loop(sass) == ["HMMA.16816.F32.BF16", "LDS.128", "BRA"]
+
+
+def test_block_scales_fold_into_one_ffma_per_accumulator_element(tmp_path):
+    """DeepSeek-V3 FP8 block-128 at M=4096 on the H200 file's tiles (64 x 64 gated / 64 x 128, 4 warps, K 128, at most
+    168 registers): each tile's weight rows lie in one 128-row scale block (GEMM2) or each half of them does (GEMM1),
+    so each K step's promotion of the MMA's result is one FFMA per accumulator element (64 per thread), and the FMULs
+    are the factors of a thread's 2 rows (x 2 halves in GEMM1). With a scale per column it was an FMUL and an FFMA per
+    element, 257 and 254 instructions per K step, and GEMM1 spilled 24 bytes (189 and 182 now; bench/results/s40)."""
+    done = _run(tmp_path, "--models", "deepseek-v3", "--schemes", "fp8_block", "--ms", "4096")
+    assert done.returncode == 0, done.stderr
+    for row in json.loads((tmp_path / "results.json").read_text()):
+        assert (row["BLOCK_M"], row["stack_bytes"], row["mma"]) == (64, 0, ["QGMMA"]), row
+        ops = row["loop_opcodes"]
+        assert (ops["FFMA"], ops["FMUL"]) == (64, 4 if row["gemm"] == 1 else 2), ops
+        assert row["loop_instructions"] <= 195, row["loop_instructions"]

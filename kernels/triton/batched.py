@@ -33,11 +33,11 @@ from ..qrange import qmax, scale_from_amax
 from ..quantize import cast_saturated
 from ..scheme import QUANT_BLOCK
 from ..weights import MoEWeights
-from .config import MoEConfig, batched_config, check_batched_config
+from .config import GemmConfig, MoEConfig, batched_config, check_batched_config
 from .device import ptx_math
 from .fused_moe import (SCALE_BLOCK, _acc_rows_first, _acc_zeros, _epilogue_scale, _gated_activation, _k_step,
                         _real_rows, _tile_coords)
-from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags
+from .launch import _A_SCALE, ACTIVATION_CODE, _launch_kwargs, _scale_strides, _scheme_flags, _weight_blocks
 from .quant import _finite_abs
 
 
@@ -53,25 +53,27 @@ def _expert_tile(counts_ptr, max_tokens, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 def _tile_dot(a_ptr, rows, row_ok, stride_am, a_scale_ptr, stride_asm, w_ptr, w_scale_ptr, n1, n2, col_ok, K,
               stride_wn, stride_wsn, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr,
               TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SWAP_AB: tl.constexpr):
+              SWAP_AB: tl.constexpr, W_BLOCKS: tl.constexpr):
     """x[rows] . w[n1] (and . w[n2] when TWO: gate and up share each A load), scaled, fp32 [BLOCK_M, BLOCK_N].
 
-    a_ptr / a_scale_ptr / w_ptr / w_scale_ptr already point at this expert.
+    a_ptr / a_scale_ptr / w_ptr / w_scale_ptr already point at this expert. W_BLOCKS 1 (block scaling): n1's rows lie
+    in one 128-row scale block, and so do n2's (fused_moe._k_step's one weight scale per step).
     """
     acc1 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
     acc2 = _acc_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP_AB)
     w1, w2 = _real_rows(n1, col_ok), _real_rows(n2, col_ok)
+    first1, first2 = tl.min(n1, axis=0), tl.min(n2, axis=0)  # the rows ascend from the tile's first
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = _k_step(acc1, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w1, col_ok, w1,
                        stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False, BLOCK_N, BLOCK_K,
-                       SWAP_AB)
+                       SWAP_AB, block_rows=first1, W_BLOCKS=W_BLOCKS)
         if TWO:
             acc2 = _k_step(acc2, a, a_scale_ptr, rows, row_ok, stride_asm, w_ptr, w_scale_ptr, w2, col_ok, w2,
                            stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, 0, False,
-                           BLOCK_N, BLOCK_K, SWAP_AB)
+                           BLOCK_N, BLOCK_K, SWAP_AB, block_rows=first2, W_BLOCKS=W_BLOCKS)
     acc1 = _epilogue_scale(_acc_rows_first(acc1, SWAP_AB), a_scale_ptr, rows, row_ok, w_scale_ptr, n1, col_ok,
                            stride_wsn, A_SCALE, W_SCALE)
     if TWO:
@@ -101,7 +103,7 @@ def batched_gemm1_kernel(
         ACTIVATION: tl.constexpr, AMAX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, swiglu_limit, swiglu_alpha, PTX_MATH: tl.constexpr,
-        EIGHT_BIT_OUT: tl.constexpr):
+        EIGHT_BIT_OUT: tl.constexpr, W_BLOCKS: tl.constexpr):
     """out[e, r, n] = act(x[e, r] . w[e, gate(n)] + b, x[e, r] . w[e, up(n)] + b) for r < count[e], n < N = I."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -115,7 +117,7 @@ def batched_gemm1_kernel(
     gate, up = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                          w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, gate_rows, up_rows, col_ok, K,
                          stride_wn, stride_wsn, A_SCALE, W_SCALE, UPCAST_W, True, BLOCK_M, BLOCK_N, BLOCK_K,
-                         SWAP_AB)
+                         SWAP_AB, W_BLOCKS)
     if HAS_BIAS:
         gate += tl.load(bias_ptr + e * stride_be + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + e * stride_be + up_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -160,7 +162,7 @@ def batched_gemm2_kernel(
         stride_oe, stride_om,
         A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, UPCAST_W: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SWAP_AB: tl.constexpr):
+        SWAP_AB: tl.constexpr, W_BLOCKS: tl.constexpr):
     """out[e, r, n] = inter[e, r] . w[e, n] + bias[e, n] for r < count[e], n < N = H (no router weight)."""
     e, pid_m, pid_n, count = _expert_tile(counts_ptr, max_tokens, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= count:
@@ -171,11 +173,17 @@ def batched_gemm2_kernel(
     col_ok = cols < N
     out, _ = _tile_dot(a_ptr + e * stride_ae, rows, row_ok, stride_am, a_scale_ptr + e * stride_ase, stride_asm,
                        w_ptr + e * stride_we, w_scale_ptr + e * stride_wse, cols, cols, col_ok, K, stride_wn,
-                       stride_wsn, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)
+                       stride_wsn, A_SCALE, W_SCALE, UPCAST_W, False, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, W_BLOCKS)
     if HAS_BIAS:
         out += tl.load(bias_ptr + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + e * stride_oe + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _accumulator_blocks(weights: MoEWeights, g: GemmConfig, *, gemm: int, interleaved: bool) -> int:
+    """The batched kernels' W_BLOCKS: 1 where each accumulator's weight rows (gate, up, or GEMM2's) lie in one
+    128-row scale block, which is where a fused tile's rows, or each of its halves, do (launch._weight_blocks)."""
+    return 1 if _weight_blocks(weights, g, gemm=gemm, interleaved=interleaved) else 0
 
 
 def _kernel_flags(weights: MoEWeights) -> dict:
@@ -262,7 +270,8 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
         *_scale_strides(weights.w13_scale), bias13.stride(0), inter.stride(0), inter.stride(1),
         HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation],
         AMAX=fold, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g1), swiglu_limit=swiglu.limit,
-        swiglu_alpha=swiglu.alpha, **ptx_math(x_q.device), EIGHT_BIT_OUT=requant)
+        swiglu_alpha=swiglu.alpha, **ptx_math(x_q.device), EIGHT_BIT_OUT=requant,
+        W_BLOCKS=_accumulator_blocks(weights, g1, gemm=1, interleaved=interleaved))
 
     inter_q, inter_scale = inter, None
     if requant:
@@ -277,5 +286,6 @@ def batched_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], expert_nu
         M, H, I,
         inter_q.stride(0), inter_q.stride(1), i_se, i_sm, weights.w2.stride(0), weights.w2.stride(1),
         *_scale_strides(weights.w2_scale), bias2.stride(0), out.stride(0), out.stride(1),
-        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2))
+        HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g2),
+        W_BLOCKS=_accumulator_blocks(weights, g2, gemm=2, interleaved=False))
     return out

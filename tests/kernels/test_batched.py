@@ -20,7 +20,7 @@ import inspect
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, TRITON_DTYPE, random_inputs, rel_err
+from kernel_helpers import DEVICE, TRITON_DTYPE, RecordingKernel, random_inputs, rel_err
 
 from moerules.activation import Activation, Dtype, SwigluParams
 from moerules.kernels import KernelBuildError, build_layer, make_random_weights
@@ -138,6 +138,31 @@ def test_batched_triton_swapped_tiles(cell, poison, monkeypatch):
     x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
     out = layer(x, topk_ids=ids, topk_weights=w)
     assert rel_err(out, standard_reference64(layer, x, ids, w)) < tol(cell, TRITON_DTYPE)
+
+
+@pytest.mark.parametrize("activation, I, expected", [
+    (Activation.silu, 256, (1, 1)),         # gate rows and up rows (256 further) each in one 128-row block
+    (Activation.silu, 160, (0, 1)),         # 160 % 64: a tile's up rows span two blocks
+    (Activation.swigluoai, 160, (1, 1)),    # interleaved pairs: 128 consecutive rows
+])
+def test_batched_block_scales_per_accumulator(activation, I, expected, poison, monkeypatch):
+    """batched._accumulator_blocks: each accumulator reads one weight scale per K step where its rows lie in one
+    block (64-wide tiles here), else one per row; the layer is the reference's either way."""
+    from moerules.kernels.triton import batched
+
+    def tiles_of_64(**kwargs):
+        cfg = batched_config(**kwargs)
+        return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, BLOCK_N=64),
+                                   gemm2=dataclasses.replace(cfg.gemm2, BLOCK_N=64))
+
+    monkeypatch.setattr(batched, "batched_config", tiles_of_64)
+    g1, g2 = RecordingKernel(batched.batched_gemm1_kernel), RecordingKernel(batched.batched_gemm2_kernel)
+    monkeypatch.setattr(batched, "batched_gemm1_kernel", g1)
+    monkeypatch.setattr(batched, "batched_gemm2_kernel", g2)
+    layer = batched_layer(cell="fp8_w8a8/block128/group128", activation=activation, H=256, I=I)
+    x, ids, w = random_inputs(layer, 11, 3, device=DEVICE)
+    assert rel_err(layer(x, topk_ids=ids, topk_weights=w), standard_reference64(layer, x, ids, w)) < 1e-2
+    assert (g1.launches[0]["W_BLOCKS"], g2.launches[0]["W_BLOCKS"]) == expected
 
 
 @pytest.mark.parametrize("activation", [Activation.silu, Activation.gelu, Activation.gelu_tanh,

@@ -139,13 +139,14 @@ def captured_launches(model, weights: MoEWeights, M: int, config: MoEConfig) -> 
     """The GEMM launches `fused_moe` makes for M tokens, captured (nothing runs)."""
     launches: list[Launch] = []
 
-    def alignment(topk_ids, *, num_experts, block_m):
+    def alignment(topk_ids, *, num_experts, block_m, tail_m=0):
         if use_naive_assignment(topk_ids.numel(), num_experts):  # as moe_align: the GEMMs read the top-k ids
             return Alignment(sorted_ids=None, expert_ids=topk_ids.reshape(-1), num_post_padded=None, block_m=block_m)
-        blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
-        i32 = dict(dtype=torch.int32)
-        return Alignment(sorted_ids=torch.empty(blocks * block_m, **i32), expert_ids=torch.empty(blocks, **i32),
-                         num_post_padded=torch.empty(1, **i32), block_m=block_m)
+        tiles = max_blocks(topk_ids.numel(), num_experts, block_m)
+        rows, i32 = tail_m or block_m, dict(dtype=torch.int32)
+        return Alignment(sorted_ids=torch.empty(tiles * block_m, **i32),
+                         expert_ids=torch.empty(tiles * block_m // rows, **i32), num_post_padded=torch.empty(1, **i32),
+                         block_m=block_m, tail_m=tail_m, tiles=torch.empty(tiles, **i32) if tail_m else None)
 
     saved = (launch.moe_align, launch.gemm1_gated_kernel, launch.gemm2_weighted_kernel, launch.dequantize_mx,
              launch.topk_sum)

@@ -105,16 +105,18 @@ def find_fused_moe(vllm_dir: Optional[str]) -> Path:
 
 
 class Alignments:
-    """`moe_align` of one routing, once per BLOCK_M: the two sides share it where their BLOCK_M agree."""
+    """`moe_align` of one routing, once per (BLOCK_M, TAIL_M): the two sides share it where these agree (vLLM's
+    has no tail tiles)."""
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
         self.topk_ids, self.num_experts = topk_ids, num_experts
-        self._by_block_m: dict[int, Alignment] = {}
+        self._by_tiles: dict[tuple[int, int], Alignment] = {}
 
-    def __call__(self, block_m: int) -> Alignment:
-        if block_m not in self._by_block_m:
-            self._by_block_m[block_m] = moe_align(self.topk_ids, num_experts=self.num_experts, block_m=block_m)
-        return self._by_block_m[block_m]
+    def __call__(self, block_m: int, tail_m: int = 0) -> Alignment:
+        if (block_m, tail_m) not in self._by_tiles:
+            self._by_tiles[block_m, tail_m] = moe_align(self.topk_ids, num_experts=self.num_experts, block_m=block_m,
+                                                        tail_m=tail_m)
+        return self._by_tiles[block_m, tail_m]
 
 
 class _Quiet:
@@ -284,7 +286,7 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
     w, (M, k) = layer.weights, ids.shape
     act, swiglu = layer.experts.activation, layer.experts.swiglu
     cfg = launch.config_for(w, num_tokens=M, top_k=k, device=x_q.device)
-    align = alignments(cfg.BLOCK_M)
+    align = alignments(cfg.BLOCK_M, cfg.TAIL_M)
     out_dtype = TORCH_DTYPE[w.in_dtype]
     inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
     out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)

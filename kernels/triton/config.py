@@ -50,20 +50,25 @@ class MoEConfig:
     # Both GEMMs and the top-k sum in one launch, GEMM2's tiles waiting on their slot's GEMM1 tiles (chain.py): for
     # decode batches under the naive assignment, where each launch's fixed cost is much of its time.
     CHAIN: bool = False
+    # Rows of the tail tiles (0: none): an expert's remainder of at most TAIL_M rows past its whole BLOCK_M tiles
+    # takes one swapped tile of TAIL_M rows in the same launch instead of a padded BLOCK_M one (align.py).
+    TAIL_M: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   CHAIN=d.get("CHAIN", False))
+                   CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN only where set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN and TAIL_M only where
+        set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
-        if not d["CHAIN"]:
-            del d["CHAIN"]
+        for optional in ("CHAIN", "TAIL_M"):
+            if not d[optional]:
+                del d[optional]
         return d
 
 
@@ -220,6 +225,9 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")
+    if cfg.TAIL_M and not (16 <= cfg.TAIL_M < cfg.BLOCK_M and cfg.TAIL_M & (cfg.TAIL_M - 1) == 0):
+        raise ValueError(f"TAIL_M={cfg.TAIL_M} must be a power of two from 16 (the smallest tl.dot tile) below "
+                         f"BLOCK_M={cfg.BLOCK_M}, or 0 for no tail tiles")
     if cfg.CHAIN:
         _check_chain(cfg, scheme)
 
@@ -236,3 +244,6 @@ def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:
                          f"(here {g1.num_warps}/{g1.MAXNREG} and {g2.num_warps}/{g2.MAXNREG})")
     if g1.TMA or g2.TMA:
         raise ValueError("CHAIN: the chained tiles load their weights by address; set \"TMA\": false in both GEMMs")
+    if cfg.TAIL_M:
+        raise ValueError("CHAIN: chained launches take the naive assignment, one slot per block, so no tail tiles; "
+                         "remove TAIL_M from this config")

@@ -1,7 +1,8 @@
 """Triton kernels of the fused MoE: GEMM1 with the activation fused, GEMM2 with the router weight.
 
-Both GEMMs read the token rows of one BLOCK_M block of `sorted_ids` (see align.py), all of
-one expert, and multiply them with that expert's weights [N, K] (K contiguous).
+Both GEMMs read the token rows of one BLOCK_M tile of `sorted_ids` (see align.py), all of
+one expert, and multiply them with that expert's weights [N, K] (K contiguous). With tail tiles (TAIL_M) an
+expert's last rows may take a tile of TAIL_M rows instead, in the same launch (align.py).
 
 GEMM1 multiplies one weight tile holding the gate rows and the up rows of the same BLOCK_N output
 columns, one MMA per K step, splits the accumulator after the K loop and writes act(gate) * up: the
@@ -105,9 +106,21 @@ def _past_end(num_post_ptr, pid_m, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, NAIVE: tl.constexpr):
+    """(its first block, whether it is a tail tile of TAIL_M rows, whether it lies past the aligned rows) of row
+    tile pid_m: with tail tiles (TAIL_M, align.py), from the tile table; else block pid_m, BLOCK_M rows."""
+    if TAIL_M:
+        code = tl.load(tiles_ptr + pid_m)
+        return code // 2, code % 2 == 1, code < 0
+    else:
+        return pid_m, False, _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE)
+
+
+@triton.jit
 def _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M: tl.constexpr,
-                NAIVE: tl.constexpr):
-    """(slot of each row of block pid_m, which rows are real (not padding), the block's expert).
+                NAIVE: tl.constexpr, ROW_UNIT: tl.constexpr = 0):
+    """(slot of each row of the BLOCK_M rows from block pid_m, which rows are real (not padding), the block's expert).
+    ROW_UNIT: the rows of a block (0: BLOCK_M; with tail tiles the tail's rows, align.py).
 
     NAIVE (align.py): block pid_m is slot pid_m alone, in its row 0, and expert_ids_ptr the flattened top-k ids; an
     id outside [0, E) (-1: an expert of another rank) leaves the block no real row and reads expert 0's weights.
@@ -120,7 +133,8 @@ def _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, B
         row_ok = (r == 0) & routed
         e = tl.where(routed, e, 0)
     else:
-        slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        first_row = pid_m * (ROW_UNIT if ROW_UNIT else BLOCK_M)
+        slot = tl.load(sorted_ids_ptr + first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = slot < num_slots
     return slot, row_ok, e
 
@@ -661,21 +675,34 @@ def gemm1_gated_kernel(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
-        W_BLOCKS: tl.constexpr = 0):
-    """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages."""
+        W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0):
+    """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages. TAIL_M: the rows
+    of the tail tiles (0: none), swapped (tokens on the MMA's N side, so a short tile keeps wgmma's 64-row side full
+    of weights); `tiles_ptr`: the tile table (align.py)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
+    block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
+    if past:
         if AMAX:
             tl.store(amax_ptr + tl.program_id(0), 0.0)
         return
-    gemm1_tile(pid_m, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
+        if tail:
+            gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                       sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
+                       up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
+                       stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, TAIL_M, BLOCK_N,
+                       BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
+                       PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
+                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M)
+            return
+    gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
                up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
                stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
                BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS)
+               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M)
 
 
 @triton.jit
@@ -691,7 +718,7 @@ def gemm1_tile(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
-        s_desc, W_BLOCKS: tl.constexpr = 0):
+        s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -706,8 +733,10 @@ def gemm1_tile(
     bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile; program: where its amax
     goes. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
     the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
+    ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
     """
-    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
+    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
+                                  ROW_UNIT)
     a_rows = slot // top_k
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -789,18 +818,29 @@ def gemm2_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0):
-    """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages."""
+        W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0):
+    """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
+    as in gemm1_gated_kernel."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if _past_end(num_post_ptr, pid_m, BLOCK_M, NAIVE):
+    block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
+    if past:
         return
-    gemm2_tile(pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+    if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
+        if tail:
+            gemm2_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+                       sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
+                       stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
+                       W_FP4, HAS_BIAS, ACC_INT, TAIL_M, BLOCK_N, BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank,
+                       stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc,
+                       W_BLOCKS, TAIL_M)
+            return
+    gemm2_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
-               W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank,
-               stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc,
-               W_BLOCKS)
+               W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
+               lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA,
+               s_desc, W_BLOCKS, TAIL_M)
 
 
 @triton.jit
@@ -814,12 +854,13 @@ def gemm2_tile(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0):
+        w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
-    pid_n, W_BLOCKS (0 or 1): as in gemm1_tile."""
-    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE)
+    pid_n, W_BLOCKS (0 or 1), ROW_UNIT: as in gemm1_tile."""
+    slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
+                                  ROW_UNIT)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = _real_rows(cols, col_ok)

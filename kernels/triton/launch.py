@@ -192,6 +192,12 @@ def _weight_blocks(weights: MoEWeights, g: GemmConfig, *, gemm: int, interleaved
     return 2 if weights.intermediate % g.BLOCK_N == 0 else 0
 
 
+def _row_tiles(align: Alignment) -> dict:
+    """The GEMM kernels' row tiles, as the alignment made them: BLOCK_M rows, and tail tiles of TAIL_M rows from the
+    tile table (align.py) where it has one."""
+    return dict(BLOCK_M=align.block_m, TAIL_M=align.tail_m, tiles_ptr=align.tiles)
+
+
 def _launch_kwargs(g: GemmConfig) -> dict:
     return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
                 num_stages=g.num_stages, **({"maxnreg": g.MAXNREG} if g.MAXNREG is not None else {}))
@@ -205,7 +211,7 @@ def _lora_shrink(a: torch.Tensor, lora_a: torch.Tensor, *, scaling: float, slots
         a, lora_a, out, *align.kernel_args(),
         num_slots, lora_a.shape[0], a.shape[1], lora_a.shape[1], slots_per_row, scaling,
         a.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        LORA_R=rank_pad, BLOCK_M=align.block_m, BLOCK_K=_SHRINK_BLOCK_K, NAIVE=align.naive)
+        LORA_R=rank_pad, BLOCK_M=align.block_rows, BLOCK_K=_SHRINK_BLOCK_K, NAIVE=align.naive)
     return out
 
 
@@ -259,7 +265,7 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
     cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
-    align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M)
+    align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M, tail_m=cfg.TAIL_M)
     if cfg.CHAIN:
         return chained_moe(x_q, weights=weights, align=align, cfg=cfg, activation=activation,
                            topk_weights=topk_weights, top_k=k, out_dtype=out_dtype, alloc=alloc, swiglu=swiglu)
@@ -368,18 +374,18 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
     x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, out.dtype)
-    programs = align.num_blocks * triton.cdiv(I, g.BLOCK_N)
+    programs = align.num_tiles * triton.cdiv(I, g.BLOCK_N)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
             if _epilogue_amax(weights, out.numel()) else None)
     with _register_cap_honoured(g, gemm=1):
         gemm1_gated_kernel[(programs,)](
             x_q, a_scale if a_scale is not None else dummy, weights.w13,
             weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
-            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, I, H, top_k,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_tiles, I, H, top_k,
             2 if interleaved else 1, 1 if interleaved else I,
             x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
             weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-            HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], BLOCK_M=cfg.BLOCK_M,
+            HAS_BIAS=weights.has_bias, ACTIVATION=ACTIVATION_CODE[activation], **_row_tiles(align),
             **flags, **_launch_kwargs(g), GATED=weights.gated,
             PAIRED=weights.fp4_fragment_order == fp4_fragments.PAIRS, **(lora or _no_lora(dummy)),
             swiglu_limit=swiglu.limit, swiglu_alpha=swiglu.alpha, amax_ptr=amax if amax is not None else dummy,
@@ -420,13 +426,13 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     g = cfg.gemm2
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
     with _register_cap_honoured(g, gemm=2):
-        gemm2_weighted_kernel[(align.num_blocks * triton.cdiv(H, g.BLOCK_N),)](
+        gemm2_weighted_kernel[(align.num_tiles * triton.cdiv(H, g.BLOCK_N),)](
             inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
             weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
-            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_blocks, H, I,
+            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_tiles, H, I,
             inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
             weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-            HAS_BIAS=weights.has_bias, BLOCK_M=cfg.BLOCK_M, **flags, **_launch_kwargs(g),
+            HAS_BIAS=weights.has_bias, **_row_tiles(align), **flags, **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False),
             W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False))

@@ -84,6 +84,8 @@ TILE_VARIANTS = {
     "one_row_swapped": lambda cfg: dataclasses.replace(_both_gemms(cfg, SWAP_AB=True), BLOCK_M=1),
     # 64-row blocks: mostly padding at these shapes, so masked rows in every K step of every cell
     "blocks_of_64": lambda cfg: dataclasses.replace(cfg, BLOCK_M=64),
+    # tail tiles (align.py): at these shapes every expert's rows fit one 16-row tail tile, swapped
+    "tail_tiles": lambda cfg: dataclasses.replace(cfg, BLOCK_M=32, TAIL_M=16),
 }
 
 

@@ -130,3 +130,19 @@ def test_the_sweep_offers_the_chained_launch_at_naive_decode_points_only(tuner):
     assert tuner.chain_moves(cfg, 5, model, bf16) == []   # 40 slots for 128 experts: sorted blocks
     assert tuner.chain_moves(cfg, 4, model, fp8) == []
     assert "CHAIN" in moe.MOE_FIELDS
+
+
+def test_the_sweep_offers_each_other_tail_tile_below_block_m_where_runs_are_sorted(tuner):
+    """TAIL_M (align.py): none, 16, 32 or 64 rows, below BLOCK_M, other than the config's; nothing under the naive
+    assignment, for 16-row blocks or for a chained config."""
+    moe = type(tuner)
+    model = types.SimpleNamespace(E=128, k=8)
+    g = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
+    cfg = MoEConfig(BLOCK_M=64, gemm1=g, gemm2=g, TAIL_M=32)
+    assert tuner.tail_moves(cfg, 4096, model) == [dataclasses.replace(cfg, TAIL_M=t) for t in (0, 16)]
+    assert [c.TAIL_M for c in tuner.tail_moves(dataclasses.replace(cfg, BLOCK_M=128, TAIL_M=0), 4096, model)] == \
+        [16, 32, 64]
+    assert tuner.tail_moves(dataclasses.replace(cfg, BLOCK_M=16, TAIL_M=0), 4096, model) == []
+    assert tuner.tail_moves(cfg, 4, model) == []  # 32 slots for 128 experts: the naive assignment
+    assert tuner.tail_moves(dataclasses.replace(cfg, CHAIN=True), 4096, model) == []
+    assert "TAIL_M" in moe.MOE_FIELDS

@@ -437,9 +437,9 @@ class Bench:
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
         field's best before the next, then CHAIN and TAIL_M (`chain_moves`, `tail_moves`; --fields: only those, from
-        the config in use; --seeds-only: none). A config replaces the one in use only if its output matches the one in use within the scheme's tolerance and it stays
-        faster when the two are timed again, in turn, CONFIRM_ROUNDS times (`fastest_interleaved`): single timings
-        drift at large M."""
+        the config in use; --seeds-only: none). A config replaces the one in use only if its output matches the one
+        in use within the scheme's tolerance and it stays faster when the two are timed again, in turn,
+        CONFIRM_ROUNDS times (`fastest_interleaved`): single timings drift at large M."""
         for name, model in self.models.items():
             for sname in self.timed_schemes(name):
                 cell = Scheme.from_quant(TIMED_SCHEMES[sname]).cell

@@ -130,3 +130,29 @@ def test_tile_probe_rows_hold_each_variant_against_the_config_in_use(monkeypatch
     row, = json.loads((tmp_path / "tile_probe.json").read_text())
     assert (row["gemm1 n16/in_use"], row["gemm2 n16/in_use"]) == (1.25, 1.0)
     assert row["n16_diff"] < 1e-2 and "n16_error" not in row
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("n16_gemm1_us, installed", [(90.0, "n16"), (99.0, None)])
+def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tmp_path, n16_gemm1_us, installed):
+    """--tile --install: the fastest variant (both GEMMs summed: n16 beats w8 here) replaces the tuned entry only
+    where it is TILE_INSTALL_MARGIN faster than the config in use; 1% faster leaves the files untouched."""
+    from moerules.kernels.triton import config
+    probe, moe = bench_module(monkeypatch, "tma_probe"), bench_module(monkeypatch, "moe")
+    for module in (moe, config):
+        monkeypatch.setattr(module, "CONFIG_DIR", tmp_path / "configs")
+    config._load_file.cache_clear()
+    times = {"in_use_gemm1_us": 100.0, "in_use_gemm2_us": 50.0, "n16_gemm1_us": n16_gemm1_us, "n16_gemm2_us": 50.0,
+             "w8_gemm1_us": 100.0, "w8_gemm2_us": 49.0}
+    monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: dict(times))
+    probe.main(["--smoke", "--gemms", "--install", "--points", "tiny:fp8_tensor:40", "--out", str(tmp_path / "out"),
+                "--tile", 'n16={"gemm1": {"BLOCK_N": 16}}', "--tile", 'w8={"gemm2": {"num_warps": 8}}'])
+    config._load_file.cache_clear()
+    row, = json.loads((tmp_path / "out" / "tile_probe.json").read_text())
+    assert row.get("installed") == installed
+    written = tmp_path / "configs" / "E=8,N=128,device_name=cpu,dtype=fp8_w8a8.json"
+    if installed is None:
+        assert not written.exists()
+    else:
+        entry = json.loads(written.read_text())["40"]
+        assert entry["gemm1"]["BLOCK_N"] == 16 and entry["gemm2"]["num_warps"] != 8

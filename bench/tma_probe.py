@@ -41,7 +41,7 @@ from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
 from moerules.kernels.triton import launch  # noqa: E402
-from moerules.kernels.triton.config import GemmConfig, MoEConfig  # noqa: E402
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config  # noqa: E402
 
 Variant = Callable[[MoEConfig], MoEConfig]   # the config in use -> the config timed
 INSTALL_MARGIN = 0.01
@@ -89,11 +89,14 @@ def tile_variant(arg: str) -> tuple[str, Variant]:
 
 @contextlib.contextmanager
 def variant(transform: Variant):
-    """Within: every config the launcher looks up is `transform` of it."""
+    """Within: every config the launcher looks up is `transform` of it, checked as a data file's entry is (a variant
+    the kernels cannot run, e.g. TAIL_M at or past BLOCK_M, is then recorded as that point's error)."""
     real = launch.get_config
 
     def patched(**kwargs):
-        return transform(real(**kwargs))
+        cfg = transform(real(**kwargs))
+        check_config(cfg, kwargs["scheme"])
+        return cfg
     launch.get_config = patched
     try:
         yield

@@ -33,7 +33,7 @@ from ..scheme import QUANT_BLOCK, Scheme
 from ..weights import MoEWeights
 from . import chain
 from .align import Alignment, moe_align
-from .config import GemmConfig, MoEConfig, get_config
+from .config import GemmConfig, MoEConfig, check_config, get_config
 from .device import device_name, ptx_math
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
@@ -264,6 +264,8 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if T == 0:
         return torch.empty(0, H, dtype=out_dtype, device=x_q.device)
+    if config is not None:  # a config handed in skips the lookup's check; a bad one must fail here, not on the GPU
+        check_config(config, weights.scheme)
     cfg = config or config_for(weights, num_tokens=T, top_k=k, device=x_q.device)
     align = moe_align(topk_ids, num_experts=E, block_m=cfg.BLOCK_M, tail_m=cfg.TAIL_M)
     if cfg.CHAIN:

@@ -148,3 +148,16 @@ def test_tail_m_round_trips_through_a_data_file_entry():
     assert TAILS.to_dict()["TAIL_M"] == 16 and MoEConfig.from_dict(TAILS.to_dict()) == TAILS
     no_tails = dataclasses.replace(TAILS, TAIL_M=0)
     assert "TAIL_M" not in no_tails.to_dict() and MoEConfig.from_dict(no_tails.to_dict()) == no_tails
+
+
+def test_a_config_handed_to_the_launcher_is_checked_before_any_kernel_runs():
+    """`launch.fused_moe(config=...)` (the tuner's and the probes' path) skips the file lookup and its check: a tail
+    at BLOCK_M ran the kernels past their tile table on the H200 (cudaErrorInvalidAddressSpace, s42); now it is the
+    config's ValueError."""
+    layer = make_layer("triton.fused_moe", "unquantized", dtype=TRITON_DTYPE, device=DEVICE)
+    x, ids, w = _inputs(layer, COUNTS)
+    with pytest.raises(ValueError, match=r"^TAIL_M=32 must be a power of two from 16 \(the smallest tl.dot tile\) "
+                                         r"below BLOCK_M=32, or 0 for no tail tiles$"):
+        launch.fused_moe(x, a_scale=None, weights=layer.weights, topk_ids=ids, topk_weights=w,
+                         activation=Activation.silu, quantize_intermediate=lambda inter, amaxes: (inter, None),
+                         out_dtype=x.dtype, config=dataclasses.replace(TAILS, TAIL_M=32))

@@ -156,3 +156,15 @@ def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tm
     else:
         entry = json.loads(written.read_text())["40"]
         assert entry["gemm1"]["BLOCK_N"] == 16 and entry["gemm2"]["num_warps"] != 8
+
+
+@INTERPRETER_ONLY
+def test_a_tile_variant_the_kernels_cannot_run_is_the_points_error(monkeypatch, tmp_path):
+    """A variant is checked as a file entry is: TAIL_M at BLOCK_M is recorded as its error, nothing launched for
+    it, and the other variants still timed (on the H200 it had crashed the probe, s42)."""
+    probe = bench_module(monkeypatch, "tma_probe")
+    probe.main(["--smoke", "--gemms", "--points", "tiny:fp8_tensor:40", "--tile", 't_big={"TAIL_M":1024}',
+                "--tile", 'n16={"gemm1": {"BLOCK_N": 16}}', "--rounds", "1", "--out", str(tmp_path)])
+    row, = json.loads((tmp_path / "tile_probe.json").read_text())
+    assert row["t_big_error"].startswith("ValueError: TAIL_M=1024 must be a power of two from 16")
+    assert "t_big_gemm1_us" not in row and row["n16_gemm1_us"] > 0 and row["n16_diff"] < 1e-2

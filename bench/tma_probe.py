@@ -14,7 +14,8 @@ Whole forward (default): TMA in GEMM1, GEMM2 or both. --gemms: each GEMM alone, 
 load into the tuned file's entry at that M (made from the config in use where the file has none): TMA only where it is
 at least INSTALL_MARGIN faster, so timing noise never flips a tuned entry. --tile NAME=JSON (repeated): the config in
 use ("in_use") against each, JSON holding top-level fields (BLOCK_M, CHAIN, TAIL_M) and/or the fields of "gemm1" /
-"gemm2" to change; with --install the fastest variant replaces the entry where it is TILE_INSTALL_MARGIN faster
+"gemm2" to change; with --install the fastest variant (by the GEMMs with --gemms, else by the forward, the tuner's
+metric: the MX schemes have no vLLM side-by-side) replaces the entry where it is TILE_INSTALL_MARGIN faster
 (`install_tile`).
 
 Prints one JSON row per point: each variant's µs, its ratio to the first variant (address, or in_use; > 1: the
@@ -169,14 +170,18 @@ def install(b: Bench, name: str, layer, M: int, row: dict) -> None:
     b.write_config(model, w.scheme, table)
 
 
-def install_tile(b: Bench, name: str, layer, M: int, row: dict, variants: dict[str, Variant], cell: str) -> None:
-    """The fastest --tile variant (both GEMMs summed) into the tuned file's entry at M, where it is at least
-    TILE_INSTALL_MARGIN faster than the config in use and its output within the scheme's tolerance of it."""
-    def gemms_us(v: str) -> float:
-        return row.get(f"{v}_gemm1_us", math.inf) + row.get(f"{v}_gemm2_us", math.inf)
+def install_tile(b: Bench, name: str, layer, M: int, row: dict, variants: dict[str, Variant], cell: str, *,
+                 gemms: bool) -> None:
+    """The fastest --tile variant (both GEMMs summed with --gemms, else the forward) into the tuned file's entry at
+    M, where it is at least TILE_INSTALL_MARGIN faster than the config in use and its output within the scheme's
+    tolerance of it."""
+    def timed_us(v: str) -> float:
+        if gemms:
+            return row.get(f"{v}_gemm1_us", math.inf) + row.get(f"{v}_gemm2_us", math.inf)
+        return row.get(f"{v}_us", math.inf)
     fastest = min((v for v in variants if v != "in_use" and row.get(f"{v}_diff", math.inf) <= tolerance(cell)),
-                  key=gemms_us, default=None)
-    if fastest is None or not gemms_us(fastest) < (1 - TILE_INSTALL_MARGIN) * gemms_us("in_use"):
+                  key=timed_us, default=None)
+    if fastest is None or not timed_us(fastest) < (1 - TILE_INSTALL_MARGIN) * timed_us("in_use"):
         return
     model = b.models[name]
     table = b.existing_table(model, layer.weights.scheme)
@@ -196,13 +201,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--gemms", action="store_true", help="each GEMM alone (the side-by-side's metric), not the forward")
     p.add_argument("--install", action="store_true",
-                   help="with --gemms: each GEMM's faster load (with --tile: the fastest variant) into the files")
+                   help="with --gemms: each GEMM's faster load into the files; with --tile: the fastest variant")
     p.add_argument("--tile", action="append", type=tile_variant, metavar="NAME=JSON",
                    help='a variant of the config in use, e.g. n64=\'{"gemm1": {"BLOCK_N": 64}}\' (repeatable)')
     p.add_argument("--smoke", action="store_true", help="tiny models, CPU (interpreter)")
     args = p.parse_args(argv)
-    if args.install and not args.gemms:
-        p.error("--install needs --gemms: the files are chosen by the side-by-side's metric")
+    if args.install and not (args.gemms or args.tile):
+        p.error("--install needs --gemms or --tile: TMA is chosen by the side-by-side's metric")
     if args.tile:
         variants = {"in_use": lambda cfg: cfg} | dict(args.tile)
     else:
@@ -229,7 +234,8 @@ def main(argv=None) -> int:
         row |= {key: round(t, 1) for key, t in times.items()}
         row |= ratios(times, list(variants), gemms=args.gemms)
         if args.install and args.tile:
-            install_tile(b, name, layer, M, row, variants, Scheme.from_quant(TIMED_SCHEMES[sname]).cell)
+            install_tile(b, name, layer, M, row, variants, Scheme.from_quant(TIMED_SCHEMES[sname]).cell,
+                         gemms=args.gemms)
         elif args.install and not errors:
             install(b, name, layer, M, row)
         report_row(rows, row, Path(args.out, "tile_probe.json" if args.tile else "tma_probe.json"))

@@ -93,7 +93,7 @@ def test_tma_probe_installs_only_from_gemm_timings(monkeypatch, capsys):
     probe = bench_module(monkeypatch, "tma_probe")
     with pytest.raises(SystemExit) as exc:
         probe.main(["--smoke", "--install", "--out", "unused"])
-    assert exc.value.code == 2 and "--install needs --gemms" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--install needs --gemms or --tile" in capsys.readouterr().err
 
 
 def test_a_tile_variant_changes_only_the_fields_it_names(monkeypatch):
@@ -134,9 +134,12 @@ def test_tile_probe_rows_hold_each_variant_against_the_config_in_use(monkeypatch
 
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("n16_gemm1_us, installed", [(90.0, "n16"), (99.0, None)])
-def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tmp_path, n16_gemm1_us, installed):
-    """--tile --install: the fastest variant (both GEMMs summed: n16 beats w8 here) replaces the tuned entry only
-    where it is TILE_INSTALL_MARGIN faster than the config in use; 1% faster leaves the files untouched."""
+@pytest.mark.parametrize("gemms", [True, False])
+def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tmp_path, n16_gemm1_us, installed,
+                                                                 gemms):
+    """--tile --install: the fastest variant (both GEMMs summed, or the forward without --gemms: n16 beats w8 here)
+    replaces the tuned entry only where it is TILE_INSTALL_MARGIN faster than the config in use; 1% faster leaves
+    the files untouched."""
     from moerules.kernels.triton import config
     probe, moe = bench_module(monkeypatch, "tma_probe"), bench_module(monkeypatch, "moe")
     for module in (moe, config):
@@ -144,9 +147,12 @@ def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tm
     config._load_file.cache_clear()
     times = {"in_use_gemm1_us": 100.0, "in_use_gemm2_us": 50.0, "n16_gemm1_us": n16_gemm1_us, "n16_gemm2_us": 50.0,
              "w8_gemm1_us": 100.0, "w8_gemm2_us": 49.0}
+    if not gemms:  # the forward: each variant's GEMMs plus the same 30 us of the rest
+        times = {f"{v}_us": times[f"{v}_gemm1_us"] + times[f"{v}_gemm2_us"] + 30.0 for v in ("in_use", "n16", "w8")}
     monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: dict(times))
-    probe.main(["--smoke", "--gemms", "--install", "--points", "tiny:fp8_tensor:40", "--out", str(tmp_path / "out"),
-                "--tile", 'n16={"gemm1": {"BLOCK_N": 16}}', "--tile", 'w8={"gemm2": {"num_warps": 8}}'])
+    probe.main(["--smoke", "--install", "--points", "tiny:fp8_tensor:40", "--out", str(tmp_path / "out"),
+                "--tile", 'n16={"gemm1": {"BLOCK_N": 16}}', "--tile", 'w8={"gemm2": {"num_warps": 8}}']
+               + ["--gemms"] * gemms)
     config._load_file.cache_clear()
     row, = json.loads((tmp_path / "out" / "tile_probe.json").read_text())
     assert row.get("installed") == installed

@@ -36,6 +36,10 @@
 #             (bench/tma_probe.py; TMA_ARGS, e.g. --models mixtral-8x7b --ms 4096, or on a new GPU
 #             "--gemms --install --rounds 3 --ms 256 1024 4096 16384": each GEMM's faster load into its files, which
 #             come back in tma_probe/configs; --gemms --tile NAME=JSON ...: named tiles against the config in use)
+#   device_probe  each point's entry in use against the one FROM_DEVICE's files give (default NVIDIA_H200; a new
+#             GPU's files seeded from a tuned one's): the bf16/FP8 grid by its GEMMs, largest M first, then MX
+#             (DEVICE_MX_SCHEMES, default mxfp4) by the forward; the faster past the margin goes into this GPU's
+#             files (they come back in device_probe/configs). DEVICE_SECONDS / DEVICE_MX_SECONDS cap the two halves
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -161,6 +165,26 @@ pdl_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/pdl_probe.py --out "$out/pdl_probe" \
     --points ${PDL_POINTS:-qwen3-30b-a3b:bf16:1 qwen3-30b-a3b:fp8_tensor:1 mixtral-8x7b:fp8_tensor:1024} \
     > "$out/pdl_probe.log" 2>&1
+}
+device_probe() {
+  local from=h200=${FROM_DEVICE:-NVIDIA_H200} pts="" mx="" m ms s
+  for m in 16384 4096 1024 256 64 16 1; do
+    for ms in mixtral-8x7b:bf16 mixtral-8x7b:fp8_tensor qwen3-30b-a3b:bf16 qwen3-30b-a3b:fp8_tensor deepseek-v3:bf16 \
+              deepseek-v3:fp8_tensor deepseek-v3:fp8_block gpt-oss-120b:bf16 gpt-oss-120b:fp8_tensor; do
+      pts="$pts $ms:$m"
+    done
+  done
+  for s in ${DEVICE_MX_SCHEMES:-mxfp4}; do
+    for m in 1 16 64 256 1024 2048 4096; do mx="$mx gpt-oss-120b:$s:$m gpt-oss-20b:$s:$m"; done
+  done
+  mkdir -p "$out/device_probe"
+  # shellcheck disable=SC2086
+  timeout "${DEVICE_SECONDS:-300}" python3 bench/tma_probe.py --out "$out/device_probe/grid" --gemms --install \
+    --rounds "${DEVICE_ROUNDS:-2}" --from-device "$from" --points $pts > "$out/device_probe_grid.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${DEVICE_MX_SECONDS:-120}" python3 bench/tma_probe.py --out "$out/device_probe/mx" --install \
+    --rounds "${DEVICE_ROUNDS:-2}" --from-device "$from" --points $mx > "$out/device_probe_mx.log" 2>&1
+  cp -r kernels/configs "$out/device_probe/configs"
 }
 tma_probe() {
   # shellcheck disable=SC2086

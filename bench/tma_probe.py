@@ -7,6 +7,7 @@ configs given as changes to the config in use.
     python bench/tma_probe.py --out DIR --gemms --install ...   # each GEMM alone; its faster load goes in the files
     python bench/tma_probe.py --out DIR --gemms --points mixtral-8x7b:fp8_tensor:1024 \
         --tile 'n64w4={"gemm1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}'   # against the config in use
+    python bench/tma_probe.py --out DIR --gemms --install --from-device h200=NVIDIA_H200   # another GPU's entries
     TRITON_INTERPRET=1 python bench/tma_probe.py --smoke --out DIR   # the tiny models on the CPU (no timing meaning)
 
 Whole forward (default): TMA in GEMM1, GEMM2 or both. --gemms: each GEMM alone, as bench/vllm_triton.py times ours
@@ -16,7 +17,9 @@ at least INSTALL_MARGIN faster, so timing noise never flips a tuned entry. --til
 use ("in_use") against each, JSON holding top-level fields (BLOCK_M, CHAIN, TAIL_M) and/or the fields of "gemm1" /
 "gemm2" to change; with --install the fastest variant (by the GEMMs with --gemms, else by the forward, the tuner's
 metric: the MX schemes have no vLLM side-by-side) replaces the entry where it is TILE_INSTALL_MARGIN faster
-(`install_tile`).
+(`install_tile`). --from-device NAME=DEVICE (repeated, with or instead of --tile): the config DEVICE's tuned files
+give at the point (its nearest M, or the heuristic where it has none), e.g. a new GPU's files seeded from the H200's
+where they run faster here.
 
 Prints one JSON row per point: each variant's µs, its ratio to the first variant (address, or in_use; > 1: the
 variant is faster) and the relative difference of its output from the first's (the same products: expected 0 for
@@ -41,10 +44,11 @@ from moe import (EXTRA_MODELS, MODELS, TIMED_SCHEMES, Bench, fastest_interleaved
 from vllm_triton import Alignments, our_gemms  # noqa: E402
 
 from moerules.kernels.scheme import Scheme  # noqa: E402
-from moerules.kernels.triton import launch  # noqa: E402
+from moerules.kernels.triton import config, launch  # noqa: E402
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config  # noqa: E402
 
-Variant = Callable[[MoEConfig], MoEConfig]   # the config in use -> the config timed
+# (the config in use, get_config's keyword arguments at the launch) -> the config timed
+Variant = Callable[[MoEConfig, dict], MoEConfig]
 INSTALL_MARGIN = 0.01
 # A --tile variant replaces the entry only this much faster (both GEMMs summed): the probe times a few rounds, and
 # session 41's repeated points moved by up to 1.5% between runs.
@@ -56,7 +60,7 @@ def with_tma(cfg: MoEConfig, tma1: bool, tma2: bool) -> MoEConfig:
 
 
 def tma_variants(pairs: dict[str, tuple[bool, bool]]) -> dict[str, Variant]:
-    return {name: (lambda cfg, tma=tma: with_tma(cfg, *tma)) for name, tma in pairs.items()}
+    return {name: (lambda cfg, lookup, tma=tma: with_tma(cfg, *tma)) for name, tma in pairs.items()}
 
 
 FORWARD_VARIANTS = tma_variants({"address": (False, False), "tma_gemm1": (True, False), "tma_gemm2": (False, True),
@@ -82,10 +86,19 @@ def tile_variant(arg: str) -> tuple[str, Variant]:
             raise argparse.ArgumentTypeError(f"--tile {arg!r}: {gemm} has no field {', '.join(sorted(unknown))} "
                                              f"(GemmConfig's: {', '.join(GemmConfig.__dataclass_fields__)})")
 
-    def changed(cfg: MoEConfig) -> MoEConfig:
+    def changed(cfg: MoEConfig, lookup: dict) -> MoEConfig:
         d = cfg.to_dict()
         return MoEConfig.from_dict(d | change | {gemm: d[gemm] | change.get(gemm, {}) for gemm in ("gemm1", "gemm2")})
     return name, changed
+
+
+def device_variant(arg: str) -> tuple[str, Variant]:
+    """--from-device NAME=DEVICE -> (NAME, the config DEVICE's tuned files give at the launch)."""
+    name, sep, device = arg.partition("=")
+    if not (sep and name and device):
+        raise argparse.ArgumentTypeError(f"--from-device {arg!r}: expected NAME=DEVICE, DEVICE as the tuned files "
+                                         "name it (e.g. h200=NVIDIA_H200)")
+    return name, lambda cfg, lookup: config.get_config(**lookup | {"device_name": device})
 
 
 @contextlib.contextmanager
@@ -95,7 +108,7 @@ def variant(transform: Variant):
     real = launch.get_config
 
     def patched(**kwargs):
-        cfg = transform(real(**kwargs))
+        cfg = transform(real(**kwargs), kwargs)
         check_config(cfg, kwargs["scheme"])
         return cfg
     launch.get_config = patched
@@ -171,24 +184,27 @@ def install(b: Bench, name: str, layer, M: int, row: dict) -> None:
 
 
 def install_tile(b: Bench, name: str, layer, M: int, row: dict, variants: dict[str, Variant], cell: str, *,
-                 gemms: bool) -> None:
-    """The fastest --tile variant (both GEMMs summed with --gemms, else the forward) into the tuned file's entry at
-    M, where it is at least TILE_INSTALL_MARGIN faster than the config in use and its output within the scheme's
-    tolerance of it."""
+                 gemms: bool, new_file: bool) -> None:
+    """The fastest --tile / --from-device variant (both GEMMs summed with --gemms, else the forward) into the tuned
+    file's entry at M, where it is at least TILE_INSTALL_MARGIN faster than the config in use and its output within
+    the scheme's tolerance of it. In a file the probe creates (`new_file`: this GPU ran the heuristic), the config in
+    use is written where it won, so every probed M keeps what won there rather than the nearest installed M's."""
     def timed_us(v: str) -> float:
         if gemms:
             return row.get(f"{v}_gemm1_us", math.inf) + row.get(f"{v}_gemm2_us", math.inf)
         return row.get(f"{v}_us", math.inf)
     fastest = min((v for v in variants if v != "in_use" and row.get(f"{v}_diff", math.inf) <= tolerance(cell)),
                   key=timed_us, default=None)
-    if fastest is None or not timed_us(fastest) < (1 - TILE_INSTALL_MARGIN) * timed_us("in_use"):
-        return
+    wins = fastest is not None and timed_us(fastest) < (1 - TILE_INSTALL_MARGIN) * timed_us("in_use")
     model = b.models[name]
     table = b.existing_table(model, layer.weights.scheme)
-    table[str(M)] = variants[fastest](launch.config_for(layer.weights, num_tokens=M, top_k=model.k,
-                                                        device=b.device)).to_dict()
+    if not (wins or new_file):
+        return
+    lookup = launch.config_lookup(layer.weights, num_tokens=M, top_k=model.k, device=b.device)
+    chosen = fastest if wins else "in_use"
+    table[str(M)] = variants[chosen](launch.get_config(**lookup), lookup).to_dict()
     b.write_config(model, layer.weights.scheme, table)
-    row["installed"] = fastest
+    row["installed"] = chosen
 
 
 def main(argv=None) -> int:
@@ -204,12 +220,15 @@ def main(argv=None) -> int:
                    help="with --gemms: each GEMM's faster load into the files; with --tile: the fastest variant")
     p.add_argument("--tile", action="append", type=tile_variant, metavar="NAME=JSON",
                    help='a variant of the config in use, e.g. n64=\'{"gemm1": {"BLOCK_N": 64}}\' (repeatable)')
+    p.add_argument("--from-device", action="append", type=device_variant, metavar="NAME=DEVICE",
+                   help="the config DEVICE's tuned files give at each point, e.g. h200=NVIDIA_H200 (repeatable)")
     p.add_argument("--smoke", action="store_true", help="tiny models, CPU (interpreter)")
     args = p.parse_args(argv)
+    args.tile = (args.tile or []) + (args.from_device or [])
     if args.install and not (args.gemms or args.tile):
-        p.error("--install needs --gemms or --tile: TMA is chosen by the side-by-side's metric")
+        p.error("--install needs --gemms, --tile or --from-device: TMA is chosen by the side-by-side's metric")
     if args.tile:
-        variants = {"in_use": lambda cfg: cfg} | dict(args.tile)
+        variants = {"in_use": lambda cfg, lookup: cfg} | dict(args.tile)
     else:
         variants = GEMM_VARIANTS if args.gemms else FORWARD_VARIANTS
     if args.smoke:
@@ -217,9 +236,10 @@ def main(argv=None) -> int:
     todo = points(args)
     b = Bench(argparse.Namespace(smoke=args.smoke, models=sorted({m for m, _, _ in todo}), out=args.out, ms=None,
                                  schemes=None, install_configs=args.install))
-    rows = []
+    rows, new_files = [], {}
     for name, sname, M in todo:
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
+        new_files.setdefault((name, sname), not b.existing_table(b.models[name], layer.weights.scheme))
         x, ids, tw = b.inputs(name, M)
         in_use = launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device)
         if in_use.BLOCK_M == 1 and not args.tile:  # TMA copies serve MMA tiles only
@@ -235,7 +255,7 @@ def main(argv=None) -> int:
         row |= ratios(times, list(variants), gemms=args.gemms)
         if args.install and args.tile:
             install_tile(b, name, layer, M, row, variants, Scheme.from_quant(TIMED_SCHEMES[sname]).cell,
-                         gemms=args.gemms)
+                         gemms=args.gemms, new_file=new_files[name, sname])
         elif args.install and not errors:
             install(b, name, layer, M, row)
         report_row(rows, row, Path(args.out, "tile_probe.json" if args.tile else "tma_probe.json"))

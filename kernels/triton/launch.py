@@ -350,11 +350,16 @@ def chain_sync_buffer(device: torch.device, size: int) -> torch.Tensor:
     return buffers[-1]
 
 
+def config_lookup(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> dict:
+    """`get_config`'s keyword arguments for this launch."""
+    return dict(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
+                top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
+                device_name=device_name(device))
+
+
 def config_for(weights: MoEWeights, *, num_tokens: int, top_k: int, device: torch.device) -> MoEConfig:
     """The config `fused_moe` runs with when given none: the tuned file's nearest M, else the heuristic."""
-    return get_config(num_tokens=num_tokens, num_experts=weights.num_experts, intermediate=weights.intermediate,
-                      top_k=top_k, scheme=weights.scheme, in_dtype_name=weights.in_dtype.value,
-                      device_name=device_name(device))
+    return get_config(**config_lookup(weights, num_tokens=num_tokens, top_k=top_k, device=device))
 
 
 def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWeights, align: Alignment,

@@ -178,7 +178,7 @@ def test_chain_round_trips_through_a_data_file_entry():
 def test_the_tile_probe_times_a_chained_variant(monkeypatch):
     """bench/tma_probe.py --tile 'chain={"CHAIN": true}': the config in use, chained."""
     name, change = bench_module(monkeypatch, "tma_probe").tile_variant('chain={"CHAIN": true}')
-    assert (name, change(MMA)) == ("chain", chained(MMA))
+    assert (name, change(MMA, {})) == ("chain", chained(MMA))
 
 
 @pytest.mark.parametrize("num_tokens, chains", [(1, False), (2, False), (3, True), (4, True), (5, False)])

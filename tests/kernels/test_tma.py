@@ -9,6 +9,7 @@ fill past N and K is in every point. Tolerances are test_fused_moe.py's.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from kernel_helpers import (DEVICE, TRITON_DTYPE, _both_gemms, bench_module, make_layer, needs_interpreter, random_inputs,
@@ -93,7 +94,7 @@ def test_tma_probe_installs_only_from_gemm_timings(monkeypatch, capsys):
     probe = bench_module(monkeypatch, "tma_probe")
     with pytest.raises(SystemExit) as exc:
         probe.main(["--smoke", "--install", "--out", "unused"])
-    assert exc.value.code == 2 and "--install needs --gemms or --tile" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--install needs --gemms, --tile or --from-device" in capsys.readouterr().err
 
 
 def test_a_tile_variant_changes_only_the_fields_it_names(monkeypatch):
@@ -102,7 +103,7 @@ def test_a_tile_variant_changes_only_the_fields_it_names(monkeypatch):
                                                                   num_stages=3))
     name, change = probe.tile_variant('n64w4={"BLOCK_M": 128, "gemm1": {"BLOCK_N": 64, "num_warps": 4}}')
     assert name == "n64w4"
-    assert change(in_use) == MoEConfig(BLOCK_M=128, gemm1=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4,
+    assert change(in_use, {}) == MoEConfig(BLOCK_M=128, gemm1=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4,
                                                                       num_stages=2, TMA=True), gemm2=in_use.gemm2)
 
 
@@ -119,6 +120,15 @@ def test_a_malformed_tile_variant_is_refused_with_its_reason(monkeypatch, capsys
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arg", ["NVIDIA_H200", "h200=", "=NVIDIA_H200"])
+def test_a_malformed_device_variant_is_refused_with_its_form(monkeypatch, capsys, arg):
+    probe = bench_module(monkeypatch, "tma_probe")
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--smoke", "--gemms", "--from-device", arg, "--out", "unused"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--from-device {arg!r}: expected NAME=DEVICE" in err
+
+
 @INTERPRETER_ONLY
 def test_tile_probe_rows_hold_each_variant_against_the_config_in_use(monkeypatch, tmp_path):
     """--tile: the config in use and each named variant timed in turn; ratios are in_use µs / the variant's."""
@@ -132,19 +142,37 @@ def test_tile_probe_rows_hold_each_variant_against_the_config_in_use(monkeypatch
     assert row["n16_diff"] < 1e-2 and "n16_error" not in row
 
 
+TINY_FP8_FILE = "E=8,N=128,device_name={},dtype=fp8_w8a8.json"   # the smoke model's tuned file on a device
+# An entry of another device's file (and of the cpu's at another M), unlike the heuristic's config at M=40.
+OTHER_ENTRY = MoEConfig(BLOCK_M=32, gemm1=GemmConfig(BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=3),
+                        gemm2=GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
+
+
+def _configs_in(monkeypatch, tmp_path, files: dict[str, dict[int, MoEConfig]]):
+    """CONFIG_DIR (the launcher's and the tuner's) -> tmp_path/configs, holding `files` ({device: {M: entry}})."""
+    from moerules.kernels.triton import config
+    for module in (bench_module(monkeypatch, "moe"), config):
+        monkeypatch.setattr(module, "CONFIG_DIR", tmp_path / "configs")
+    (tmp_path / "configs").mkdir()
+    for device, table in files.items():
+        (tmp_path / "configs" / TINY_FP8_FILE.format(device)).write_text(
+            json.dumps({str(m): cfg.to_dict() for m, cfg in table.items()}))
+    config._load_file.cache_clear()
+
+
 @INTERPRETER_ONLY
-@pytest.mark.parametrize("n16_gemm1_us, installed", [(90.0, "n16"), (99.0, None)])
+@pytest.mark.parametrize("n16_gemm1_us, cpu_file, installed", [
+    (90.0, {}, "n16"), (99.0, {}, "in_use"), (90.0, {1: OTHER_ENTRY}, "n16"), (99.0, {1: OTHER_ENTRY}, None)])
 @pytest.mark.parametrize("gemms", [True, False])
-def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tmp_path, n16_gemm1_us, installed,
-                                                                 gemms):
+def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tmp_path, n16_gemm1_us, cpu_file,
+                                                                 installed, gemms):
     """--tile --install: the fastest variant (both GEMMs summed, or the forward without --gemms: n16 beats w8 here)
     replaces the tuned entry only where it is TILE_INSTALL_MARGIN faster than the config in use; 1% faster leaves
-    the files untouched."""
+    an existing file untouched, and writes the config in use into a file the probe creates (the GPU ran the
+    heuristic), so M=40 keeps what won there."""
     from moerules.kernels.triton import config
     probe, moe = bench_module(monkeypatch, "tma_probe"), bench_module(monkeypatch, "moe")
-    for module in (moe, config):
-        monkeypatch.setattr(module, "CONFIG_DIR", tmp_path / "configs")
-    config._load_file.cache_clear()
+    _configs_in(monkeypatch, tmp_path, {"cpu": cpu_file} if cpu_file else {})
     times = {"in_use_gemm1_us": 100.0, "in_use_gemm2_us": 50.0, "n16_gemm1_us": n16_gemm1_us, "n16_gemm2_us": 50.0,
              "w8_gemm1_us": 100.0, "w8_gemm2_us": 49.0}
     if not gemms:  # the forward: each variant's GEMMs plus the same 30 us of the rest
@@ -156,12 +184,34 @@ def test_tile_probe_installs_the_fastest_variant_past_the_margin(monkeypatch, tm
     config._load_file.cache_clear()
     row, = json.loads((tmp_path / "out" / "tile_probe.json").read_text())
     assert row.get("installed") == installed
-    written = tmp_path / "configs" / "E=8,N=128,device_name=cpu,dtype=fp8_w8a8.json"
-    if installed is None:
-        assert not written.exists()
-    else:
-        entry = json.loads(written.read_text())["40"]
-        assert entry["gemm1"]["BLOCK_N"] == 16 and entry["gemm2"]["num_warps"] != 8
+    path = tmp_path / "configs" / TINY_FP8_FILE.format("cpu")
+    before = {str(m): cfg.to_dict() for m, cfg in cpu_file.items()}
+    in_use = cpu_file.get(1) or config.default_config(
+        num_tokens=40, num_experts=8, top_k=2, scheme=Scheme.from_quant(moe.TIMED_SCHEMES["fp8_tensor"]))
+    chosen = {"n16": replace(in_use, gemm1=replace(in_use.gemm1, BLOCK_N=16)), "in_use": in_use}.get(installed)
+    assert (json.loads(path.read_text()) if path.exists() else None) == (
+        before | {"40": chosen.to_dict()} if chosen else before or None)
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("h200_gemm1_us, installed", [(80.0, "h200"), (99.0, None)])
+def test_device_probe_times_and_installs_another_devices_entry(monkeypatch, tmp_path, h200_gemm1_us, installed):
+    """--from-device h200=other: the entry the other device's file gives at the point (its nearest M) is what runs
+    for that variant, and it replaces this device's entry only past the margin."""
+    probe = bench_module(monkeypatch, "tma_probe")
+    cpu_entry = replace(OTHER_ENTRY, BLOCK_M=16)
+    _configs_in(monkeypatch, tmp_path, {"cpu": {1: cpu_entry}, "other": {32: OTHER_ENTRY}})
+    checked = []
+    monkeypatch.setattr(probe, "check_config", lambda cfg, scheme: checked.append(cfg))
+    times = {"in_use_gemm1_us": 100.0, "in_use_gemm2_us": 50.0, "h200_gemm1_us": h200_gemm1_us, "h200_gemm2_us": 50.0}
+    monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: dict(times))
+    probe.main(["--smoke", "--gemms", "--install", "--points", "tiny:fp8_tensor:40", "--from-device", "h200=other",
+                "--rounds", "1", "--out", str(tmp_path / "out")])
+    row, = json.loads((tmp_path / "out" / "tile_probe.json").read_text())
+    assert set(checked) == {cpu_entry, OTHER_ENTRY} and row["h200_diff"] < 1e-2
+    assert row.get("installed") == installed
+    written = json.loads((tmp_path / "configs" / TINY_FP8_FILE.format("cpu")).read_text())
+    assert written == {"1": cpu_entry.to_dict()} | ({"40": OTHER_ENTRY.to_dict()} if installed else {})
 
 
 @INTERPRETER_ONLY

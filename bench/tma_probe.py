@@ -101,14 +101,25 @@ def device_variant(arg: str) -> tuple[str, Variant]:
     return name, lambda cfg, lookup: config.get_config(**lookup | {"device_name": device})
 
 
+def config_in_use(lookup: dict, *, new_file: bool) -> MoEConfig:
+    """The config this GPU ran at the launch before the probe: its tuned file's, or the heuristic where the probe
+    creates the file (`new_file`), so the points after its first install are still timed against what ran before,
+    not against the nearest entry just written."""
+    if new_file:
+        return config.default_config(num_tokens=lookup["num_tokens"], num_experts=lookup["num_experts"],
+                                     top_k=lookup["top_k"], scheme=lookup["scheme"])
+    return config.get_config(**lookup)
+
+
 @contextlib.contextmanager
-def variant(transform: Variant):
-    """Within: every config the launcher looks up is `transform` of it, checked as a data file's entry is (a variant
-    the kernels cannot run, e.g. TAIL_M at or past BLOCK_M, is then recorded as that point's error)."""
+def variant(transform: Variant, *, new_file: bool):
+    """Within: every config the launcher looks up is `transform` of the config in use (`config_in_use`), checked as
+    a data file's entry is (a variant the kernels cannot run, e.g. TAIL_M at or past BLOCK_M, is then recorded as
+    that point's error)."""
     real = launch.get_config
 
     def patched(**kwargs):
-        cfg = transform(real(**kwargs), kwargs)
+        cfg = transform(config_in_use(kwargs, new_file=new_file), kwargs)
         check_config(cfg, kwargs["scheme"])
         return cfg
     launch.get_config = patched
@@ -125,12 +136,12 @@ def points(args) -> list[tuple[str, str, int]]:
             if not (s == "fp8_block" and m != "deepseek-v3")]
 
 
-def forward_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict, dict, dict]:
+def forward_sides(layer, x, ids, tw, variants: dict[str, Variant], *, new_file: bool) -> tuple[dict, dict, dict]:
     """({variant: {"": whole forward}}, {variant: output}, {variant: error}) of the variants."""
     sides, outputs, errors = {}, {}, {}
     for v, transform in variants.items():
         def run(transform=transform):
-            with variant(transform):
+            with variant(transform, new_file=new_file):
                 return layer(x, topk_ids=ids, topk_weights=tw)
         try:
             outputs[v] = run().float()
@@ -140,7 +151,7 @@ def forward_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict
     return sides, outputs, errors
 
 
-def gemm_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict, dict, dict]:
+def gemm_sides(layer, x, ids, tw, variants: dict[str, Variant], *, new_file: bool) -> tuple[dict, dict, dict]:
     """({variant: {"_gemm1": .., "_gemm2": ..}}, {variant: output}, {variant: error}) of the variants: our GEMM
     launches as the side-by-side with vLLM times them, each variant's config fixed when its launches are made."""
     w = layer.weights
@@ -151,7 +162,7 @@ def gemm_sides(layer, x, ids, tw, variants: dict[str, Variant]) -> tuple[dict, d
     sides, outputs, errors = {}, {}, {}
     for v, transform in variants.items():
         try:
-            with variant(transform):
+            with variant(transform, new_file=new_file):
                 side = our_gemms(layer, x_q, a_scale, ids, tw, alignments=alignments)
             outputs[v] = side.out.float()
             sides[v] = {"_gemm1": side.gemm1, "_gemm2": side.gemm2}
@@ -187,8 +198,8 @@ def install_tile(b: Bench, name: str, layer, M: int, row: dict, variants: dict[s
                  gemms: bool, new_file: bool) -> None:
     """The fastest --tile / --from-device variant (both GEMMs summed with --gemms, else the forward) into the tuned
     file's entry at M, where it is at least TILE_INSTALL_MARGIN faster than the config in use and its output within
-    the scheme's tolerance of it. In a file the probe creates (`new_file`: this GPU ran the heuristic), the config in
-    use is written where it won, so every probed M keeps what won there rather than the nearest installed M's."""
+    the scheme's tolerance of it. In a file the probe creates (`new_file`: this GPU ran the heuristic), the heuristic
+    is written where it won, so every probed M keeps what won there rather than the nearest installed M's."""
     def timed_us(v: str) -> float:
         if gemms:
             return row.get(f"{v}_gemm1_us", math.inf) + row.get(f"{v}_gemm2_us", math.inf)
@@ -202,7 +213,7 @@ def install_tile(b: Bench, name: str, layer, M: int, row: dict, variants: dict[s
         return
     lookup = launch.config_lookup(layer.weights, num_tokens=M, top_k=model.k, device=b.device)
     chosen = fastest if wins else "in_use"
-    table[str(M)] = variants[chosen](launch.get_config(**lookup), lookup).to_dict()
+    table[str(M)] = variants[chosen](config_in_use(lookup, new_file=new_file), lookup).to_dict()
     b.write_config(model, layer.weights.scheme, table)
     row["installed"] = chosen
 
@@ -239,12 +250,13 @@ def main(argv=None) -> int:
     rows, new_files = [], {}
     for name, sname, M in todo:
         layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
-        new_files.setdefault((name, sname), not b.existing_table(b.models[name], layer.weights.scheme))
+        new_file = new_files.setdefault((name, sname), not b.existing_table(b.models[name], layer.weights.scheme))
         x, ids, tw = b.inputs(name, M)
         in_use = launch.config_for(layer.weights, num_tokens=M, top_k=ids.shape[1], device=x.device)
         if in_use.BLOCK_M == 1 and not args.tile:  # TMA copies serve MMA tiles only
             continue
-        sides, outputs, errors = (gemm_sides if args.gemms else forward_sides)(layer, x, ids, tw, variants)
+        sides, outputs, errors = (gemm_sides if args.gemms else forward_sides)(layer, x, ids, tw, variants,
+                                                                               new_file=new_file)
         row: dict = {"point": f"{name}:{sname}:{M}"} | {f"{v}_error": e for v, e in errors.items()}
         base = next(iter(variants))
         if base in outputs:
@@ -255,7 +267,7 @@ def main(argv=None) -> int:
         row |= ratios(times, list(variants), gemms=args.gemms)
         if args.install and args.tile:
             install_tile(b, name, layer, M, row, variants, Scheme.from_quant(TIMED_SCHEMES[sname]).cell,
-                         gemms=args.gemms, new_file=new_files[name, sname])
+                         gemms=args.gemms, new_file=new_file)
         elif args.install and not errors:
             install(b, name, layer, M, row)
         report_row(rows, row, Path(args.out, "tile_probe.json" if args.tile else "tma_probe.json"))

@@ -215,6 +215,27 @@ def test_device_probe_times_and_installs_another_devices_entry(monkeypatch, tmp_
 
 
 @INTERPRETER_ONLY
+def test_a_file_the_device_probe_creates_times_every_point_against_the_heuristic(monkeypatch, tmp_path):
+    """No file for this device: the other device's entry wins at M=40 and is written; at M=8 it loses, and what is
+    written there is the heuristic this GPU ran before, not the M=40 entry the lookup would now give."""
+    from moerules.kernels.triton import config
+    probe, moe = bench_module(monkeypatch, "tma_probe"), bench_module(monkeypatch, "moe")
+    _configs_in(monkeypatch, tmp_path, {"other": {32: OTHER_ENTRY}})
+    h200_us = iter([80.0, 99.0])
+    monkeypatch.setattr(probe, "fastest_interleaved", lambda time_us, rounds, sides: {"in_use_us": 100.0,
+                                                                                      "h200_us": next(h200_us)})
+    probe.main(["--smoke", "--install", "--points", "tiny:fp8_tensor:40", "tiny:fp8_tensor:8", "--from-device",
+                "h200=other", "--rounds", "1", "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "tile_probe.json").read_text())
+    assert [row["installed"] for row in rows] == ["h200", "in_use"]
+    heuristic = config.default_config(num_tokens=8, num_experts=8, top_k=2,
+                                      scheme=Scheme.from_quant(moe.TIMED_SCHEMES["fp8_tensor"]))
+    assert heuristic != OTHER_ENTRY
+    assert json.loads((tmp_path / "configs" / TINY_FP8_FILE.format("cpu")).read_text()) == {
+        "40": OTHER_ENTRY.to_dict(), "8": heuristic.to_dict()}
+
+
+@INTERPRETER_ONLY
 def test_a_tile_variant_the_kernels_cannot_run_is_the_points_error(monkeypatch, tmp_path):
     """A variant is checked as a file entry is: TAIL_M at BLOCK_M is recorded as its error, nothing launched for
     it, and the other variants still timed (on the H200 it had crashed the probe, s42)."""

@@ -88,6 +88,13 @@ def config_file_name(*, num_experts: int, intermediate: int, device_name: str, d
     return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')},dtype={dtype}.json"
 
 
+def tuned_devices(*, num_experts: int, intermediate: int, dtype: str) -> list[str]:
+    """The devices (as the file names spell them) with a tuned file for this shape and dtype key."""
+    before, after = config_file_name(num_experts=num_experts, intermediate=intermediate, device_name="*",
+                                     dtype=dtype).split("*")
+    return sorted(path.name[len(before):-len(after)] for path in CONFIG_DIR.glob(f"{before}*{after}"))
+
+
 @functools.lru_cache(maxsize=None)
 def _load_file(name: str) -> Optional[dict[int, MoEConfig]]:
     path = CONFIG_DIR / name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 
 import pytest
@@ -16,6 +17,7 @@ from moerules.quant import QuantConfig
 from moerules.quant import QuantFamily as F
 
 MXFP4 = Scheme.from_quant(QuantConfig(family=F.mxfp4_w4a16))
+BF16 = Scheme.from_quant(QuantConfig())
 
 
 @pytest.fixture
@@ -63,6 +65,32 @@ def test_the_nearest_tuned_entries_seed_the_tuner(monkeypatch):
     assert [name for _, name in moe.neighbour_entries(table, 16, gemv=False)] == ["the M=256 entry"]
     assert [name for _, name in moe.neighbour_entries(table, 16, gemv=True)] == ["the M=1 entry", "the M=256 entry"]
     assert moe.neighbour_entries({}, 16, gemv=True) == []
+
+
+def test_other_gpus_entries_seed_the_tuner(tuner, monkeypatch, tmp_path):
+    """Another GPU's tuned file for the shape and dtype seeds the tuner with the entry it gives at M (its nearest M,
+    256 for 1024); this GPU's own file (cpu) gives the config in use, which keeps that name; another shape's file
+    gives nothing."""
+    from moerules.kernels.triton import config
+    moe = bench_module(monkeypatch, "moe")
+    for module in (moe, config):
+        monkeypatch.setattr(module, "CONFIG_DIR", tmp_path)
+    tile = GemmConfig(BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)
+    own = MoEConfig(BLOCK_M=32, gemm1=tile, gemm2=tile)
+    other_shape = MoEConfig(BLOCK_M=32, gemm1=tile, gemm2=dataclasses.replace(tile, num_stages=4))
+    h200 = MoEConfig(BLOCK_M=64, gemm1=dataclasses.replace(tile, GROUP_M=8), gemm2=tile)
+    for name, table in (("E=8,N=14336,device_name=NVIDIA_H200,dtype=bf16.json", {"256": h200}),
+                        ("E=8,N=14336,device_name=cpu,dtype=bf16.json", {"4096": own}),
+                        ("E=8,N=4096,device_name=NVIDIA_H100_80GB_HBM3,dtype=bf16.json", {"1024": other_shape})):
+        (tmp_path / name).write_text(json.dumps({m: cfg.to_dict() for m, cfg in table.items()}))
+    config._load_file.cache_clear()
+    tuner.smoke, tuner.peers, tuner.device, tuner.in_dtype = False, None, torch.device("cpu"), Dtype.bf16
+    model = moe.MODELS["mixtral-8x7b"]
+    w = types.SimpleNamespace(scheme=BF16, num_experts=model.E, intermediate=model.I, in_dtype=Dtype.bf16)
+    seeds = tuner.seeds(1024, model, w, "bf16", only_in_use=False)
+    config._load_file.cache_clear()
+    assert seeds[h200] == "NVIDIA_H200's entry" and seeds[own] == "in use" and other_shape not in seeds
+    assert [name for name in seeds.values() if name.endswith("'s entry")] == ["NVIDIA_H200's entry"]
 
 
 @pytest.mark.parametrize("rows_per_expert, block_m", [(2, 16), (8, 16), (12, 32), (32, 64), (64, 64), (128, 128),

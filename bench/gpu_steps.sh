@@ -4,8 +4,8 @@
 #   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py; HARNESS_ARGS
 #             adds its options, e.g. --per-gemm, HARNESS_SECONDS caps it)
 #   tune      tune TUNE_POINTS (model:scheme:M; default the weakest of the last side-by-side), TUNE_SECONDS each,
-#             seeded with vLLM's configs, the neighbouring M's entries and
-#             other GPUs' entries; installs the configs
+#             seeded with vLLM's configs, the neighbouring M's entries and every GPU's entry at the point; installs
+#             the configs
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
 #   bench     the whole-forward bench of Qwen3-30B-A3B decode against the previous session's results
 #   decode    tune the decode points with at most one row per expert, where the GEMV (BLOCK_M 1) seeds join (and

@@ -497,7 +497,7 @@ class Bench:
     def seeds(self, M: int, model: Model, w, sname: str, *, only_in_use: bool) -> dict:
         """{config: what it is}: the config in use, the heuristic, BLOCK_M x{1/2, 2} of the one in use, GEMV
         seeds, MXFP4's triton_kernels tiles (at their BLOCK_M and the one in use), the tuned file's entries for the
-        nearest smaller and larger M (`neighbour_entries`), the entries other GPUs' files give here
+        nearest smaller and larger M (`neighbour_entries`), the entries every GPU's file gives here
         (`device_entries`) and (--peer-configs) vLLM's; a config that is several of these keeps its first name."""
         scheme = w.scheme
         cur = config_for(w, num_tokens=M, top_k=model.k, device=self.device)

@@ -151,3 +151,23 @@ def test_each_part_goes_first_in_as_many_turns(monkeypatch):
     moe = bench_module(monkeypatch, "moe")
     assert [moe.turn_order(["a", "b", "c"], t) for t in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def _point(ratio: float, cap: float, ok: bool = True) -> dict:
+    return {"scheme": "bf16", "ok": ok, "ratio": ratio, "vllm_over_floor": cap}
+
+
+def test_headroom_splits_the_points_at_the_bar_by_their_cap(vt):
+    """Two points capped below 1.10 (vLLM / floor 1.02, 1.05) at 1.00 and 1.02, two free ones (cap 1.5) at 1.10 and
+    1.20, a failing point left out: the free two would need exp((4 ln 1.1 - ln 1.00 - ln 1.02) / 2) = 1.1981."""
+    rows = [_point(1.00, 1.02), _point(1.02, 1.05), _point(1.10, 1.5), _point(1.20, 1.5), _point(0.5, 2.0, ok=False)]
+    got = vt.headroom(rows)
+    assert (got["bar"], got["capped"], got["uncapped"]) == (1.10, 2, 2)
+    assert got["capped_geomean"] == pytest.approx(1.02 ** 0.5)
+    assert got["uncapped_geomean"] == pytest.approx((1.10 * 1.20) ** 0.5)
+    assert got["uncapped_needed"] == pytest.approx(1.1981, abs=1e-4)
+
+
+def test_headroom_needs_an_uncapped_point(vt):
+    assert vt.headroom([_point(1.0, 1.05)]) is None
+    assert vt.headroom([_point(1.2, 1.3)])["capped_geomean"] is None

@@ -200,7 +200,7 @@ if [ -d "$out/tune" ]; then
   cp -r kernels/configs "$out/tune/configs" && tar -czf "$out/tune.tgz" -C "$out" tune tune.log && rm -rf "$out/tune" "$out/tune.log"
   tar -xzOf "$out/tune.tgz" tune.log | grep "^tuned" | cut -c1-90
 fi
-tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log "$out"/tk*.log "$out"/*probe.log 2>/dev/null
+tail -3 "$out/pytest.log" 2>/dev/null; tail -8 "$out"/vllm_triton*.log "$out"/tk*.log "$out"/*probe*.log 2>/dev/null
 # Past 8 files, the rest travels as one archive too (the logs stay readable beside it).
 if [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
   tar -czf /tmp/results.tgz -C "$out" . && mv /tmp/results.tgz "$out/" &&

@@ -3,7 +3,8 @@
 #   tests     the GPU kernel tests (tests_tiles: only the tile-variant ones)
 #   harness   the side-by-side with vLLM 0.33's Triton GEMMs on the whole grid (bench/vllm_triton.py; HARNESS_ARGS
 #             adds its options, e.g. --per-gemm, HARNESS_SECONDS caps it)
-#   tune      tune TUNE_POINTS (model:scheme:M; default the weakest of the last side-by-side), TUNE_SECONDS each,
+#   tune      tune TUNE_POINTS (model:scheme:M; default the weakest of the last side-by-side), TUNE_SECONDS each
+#             (its sweep ends TUNE_MARGIN, default 30, s before, keeping the best so far),
 #             seeded with vLLM's configs, the neighbouring M's entries and every GPU's entry at the point; installs
 #             the configs
 #   recheck   the side-by-side again on Mixtral (the model tuned most)
@@ -61,8 +62,10 @@ tune() {  # TUNE_POINTS, model:scheme:M (default the weakest side-by-side points
   local point model scheme m
   for point in ${TUNE_POINTS:-qwen3-30b-a3b:fp8_tensor:4096 deepseek-v3:fp8_tensor:4096 mixtral-8x7b:fp8_tensor:16384}; do
     IFS=: read -r model scheme m <<< "$point"
+    # The sweep ends TUNE_MARGIN s (start-up, confirmation) before the cap, so the point is kept, not killed.
     # shellcheck disable=SC2086
-    tune_one "${TUNE_SECONDS:-60}" "$model" --schemes "$scheme" --ms "$m" ${TUNE_ARGS:-}
+    tune_one "${TUNE_SECONDS:-60}" "$model" --schemes "$scheme" --ms "$m" \
+      --point-seconds $(( ${TUNE_SECONDS:-60} - ${TUNE_MARGIN:-30} )) ${TUNE_ARGS:-}
   done
 }
 decode() {

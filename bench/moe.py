@@ -438,7 +438,8 @@ class Bench:
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
         field's best before the next, then CHAIN and TAIL_M (`chain_moves`, `tail_moves`; --fields: only those, from
-        the config in use; --seeds-only: none). A config replaces the one in use only if its output matches the one
+        the config in use; --seeds-only: none). --point-seconds ends the sweep that long after the point began (its
+        seeds are all timed), keeping the best found: a device call's time cap would otherwise lose the point. A config replaces the one in use only if its output matches the one
         in use within the scheme's tolerance and it stays faster when the two are timed again, in turn,
         CONFIRM_ROUNDS times (`fastest_interleaved`): single timings drift at large M."""
         for name, model in self.models.items():
@@ -460,6 +461,8 @@ class Bench:
                                          quantize_intermediate=layer.experts.quantize_intermediate(w),
                                          out_dtype=TORCH_DTYPE[self.in_dtype], config=cfg)
                     t0 = time.time()
+                    self.sweep_until = t0 + (math.inf if self.args.point_seconds is None else self.args.point_seconds)
+                    self.untimed = 0  # the sweep's configs left when its time was up
                     seeds = self.seeds(M, model, w, sname, only_in_use=bool(self.args.fields))
                     seed_us: dict = {}
                     start = self.pick(run, list(seeds), seed_us)
@@ -469,6 +472,8 @@ class Bench:
                     self.log(f"  seeds {name} {sname} M={M}: " +
                              "; ".join(f"{seeds[c]} {t:.1f} us" for c, t in seed_us.items()))
                     best = start if self.args.seeds_only else self.sweep(run, start, M, model, w.scheme)
+                    if self.untimed:
+                        self.log(f"  the sweep's time was up (--point-seconds): {self.untimed} configs not timed")
                     in_use = config_for(w, num_tokens=M, top_k=model.k, device=self.device)
                     rejected = self.rejection(run, best, in_use, cell) if best[1] != in_use else None
                     if rejected:
@@ -574,8 +579,12 @@ class Bench:
         return [replace(cfg, TAIL_M=t) for t in (0, 16, 32, 64) if t != cfg.TAIL_M and t < cfg.BLOCK_M]
 
     def faster(self, run, best, cfgs, scheme: Scheme):
-        """The fastest of `best` (µs, config) and the valid cfgs."""
-        found = self.pick(run, self.valid(cfgs, scheme))
+        """The fastest of `best` (µs, config) and the valid cfgs timed before the sweep's time is up."""
+        cfgs = self.valid(cfgs, scheme)
+        if time.time() > self.sweep_until:
+            self.untimed += len(cfgs)
+            return best
+        found = self.pick(run, cfgs, until=self.sweep_until)
         return found if found and found[0] < best[0] else best
 
     def chain_moves(self, cfg: MoEConfig, M: int, model: Model, scheme: Scheme) -> list[MoEConfig]:
@@ -661,10 +670,14 @@ class Bench:
             (CONFIG_DIR / key).write_text(json.dumps(table, indent=1) + "\n")
             _load_file.cache_clear()
 
-    def pick(self, run, cfgs, times: Optional[dict] = None):
-        """The fastest (µs, config) of cfgs, or None if none ran; `times` collects every config's µs."""
+    def pick(self, run, cfgs, times: Optional[dict] = None, until: float = math.inf):
+        """The fastest (µs, config) of cfgs, or None if none ran; `times` collects every config's µs. Configs left
+        when time.time() passes `until` are not timed."""
         best = None
-        for cfg in cfgs:
+        for i, cfg in enumerate(cfgs):
+            if time.time() > until:
+                self.untimed += len(cfgs) - i
+                break
             try:
                 t = self.time_us(lambda: run(cfg), graph=True, rep=20)
             except Exception as exc:  # out of shared memory etc.: a config the GPU cannot run
@@ -841,6 +854,8 @@ def main(argv=None):
     p.add_argument("--fields", nargs="+", choices=Bench.FIELDS + Bench.MOE_FIELDS,
                    help="tune: sweep only these GemmConfig fields (and CHAIN), from the config in use (no other "
                         "seeds)")
+    p.add_argument("--point-seconds", type=float,
+                   help="tune: end each point's sweep this many seconds after the point began, keeping the best so far")
     p.add_argument("--seeds-only", action="store_true",
                    help="tune: keep the fastest seed (checked and confirmed as any winner), without the sweep")
     p.add_argument("--baseline", help="bench: an earlier results.json; adds each point's time ratio to it")

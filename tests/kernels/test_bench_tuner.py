@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 
 import pytest
@@ -174,3 +175,25 @@ def test_the_sweep_offers_each_other_tail_tile_below_block_m_where_runs_are_sort
     assert tuner.tail_moves(cfg, 4, model) == []  # 32 slots for 128 experts: the naive assignment
     assert tuner.tail_moves(dataclasses.replace(cfg, CHAIN=True), 4096, model) == []
     assert "TAIL_M" in moe.MOE_FIELDS
+
+
+def test_the_sweep_stops_at_the_points_time_limit_keeping_the_best_so_far(tuner, monkeypatch):
+    """--point-seconds: a device call's cap kills the tuner mid-point and loses it, so the sweep stops first. Each
+    config timed here takes 10 s of a fake clock and the limit falls after the second: the third and every later
+    move are not timed, and the best of the two is kept."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(sys.modules[type(tuner).__module__], "time", types.SimpleNamespace(time=lambda: clock["now"]))
+    timed = []
+
+    def time_us(fn, *, graph, rep):
+        clock["now"] += 10.0
+        timed.append(fn())
+        return {64: 30.0, 32: 20.0, 128: 10.0, 256: 5.0}[timed[-1]]
+
+    tuner.smoke, tuner.sweep_until = False, 15.0
+    tuner.time_us, tuner.untimed = time_us, 0
+    monkeypatch.setattr(tuner, "valid", lambda cfgs, scheme: cfgs)
+    best = tuner.faster(lambda n: n, (40.0, 16), [64, 32, 128], BF16)
+    assert (best, timed) == ((20.0, 32), [64, 32])
+    assert tuner.faster(lambda n: n, best, [256], BF16) == best
+    assert (timed, tuner.untimed) == ([64, 32], 2)  # counted for the point's log line

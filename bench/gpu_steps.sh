@@ -53,10 +53,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}/${OUT_NAME:-final}
 mkdir -p "$out"
 
+without_ptx() {  # of each dump Triton prints when ptxas fails (the whole PTX, between two rules), only ptxas's lines
+  awk -v rule="$(printf '=%.0s' $(seq 64))" '$0 == rule {dump = !dump; next} dump && !/^ptxas/ {next}
+    /^please share the reproducer/ || !NF {next} {print}'
+}
 tune_one() {  # tune_one SECONDS MODEL [bench/moe.py arguments]
   local secs=$1 model=$2; shift 2
   timeout "$secs" python3 bench/moe.py --phase tune --install-configs --peer-configs carry/vllm033 \
-    --out "$out/tune/$model" --models "$model" "$@" 2>&1 | grep -v "^  skip" >> "$out/tune.log"
+    --out "$out/tune/$model" --models "$model" "$@" 2>&1 | grep -v "^  skip" | without_ptx >> "$out/tune.log"
 }
 tune() {  # TUNE_POINTS, model:scheme:M (default the weakest side-by-side points of the last run), TUNE_SECONDS per point
   local point model scheme m

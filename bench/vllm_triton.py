@@ -2,6 +2,7 @@
 
     bash bench/get_vllm_triton.sh                      # once: vLLM's fused_moe.py + configs/ -> carry/vllm033
     python bench/vllm_triton.py --out DIR [--vllm-dir carry/vllm033] [--models ..] [--schemes ..] [--ms ..] [--per-gemm]
+        [--baseline OLD/results.json]   # also: the points whose config changed, then and now, against the drift
     TRITON_INTERPRET=1 python bench/vllm_triton.py --smoke --out DIR   # tiny fp16 shapes on the CPU
     ncu --profile-from-start off ... python bench/vllm_triton.py --profile ...   # bench/gpu_steps.sh profile_vllm
 
@@ -336,6 +337,28 @@ def headroom(rows: list[dict], bar: float = BAR) -> Optional[dict]:
             "uncapped_needed": math.exp((len(ok) * math.log(bar) - logs) / len(free))}
 
 
+
+def against_baseline(rows: list[dict], baseline_rows: list[dict]) -> Optional[dict]:
+    """This run's points against an earlier run's (--baseline), over the points that agree in both: the geomean of
+    vLLM / ours then and now, split by whether our config at the point changed. The unchanged points show the drift
+    between the two runs (machines, clocks), which a change has to clear (bench/results/s44: the 16 points whose
+    config changed went 1.135 -> 1.139 while the 47 others drifted 1.053 -> 1.062). None where no point is in both."""
+    def key(r: dict) -> tuple:
+        return r["model"], r["scheme"], r["M"]
+    before = {key(r): r for r in baseline_rows if r.get("ok")}
+    pairs = [(before[key(r)], r) for r in rows if r.get("ok") and key(r) in before]
+    if not pairs:
+        return None
+
+    def split(changed: bool) -> dict:
+        group = [(b, r) for b, r in pairs
+                 if (MoEConfig.from_dict(b["ours_config"]) != MoEConfig.from_dict(r["ours_config"])) == changed]
+        then, now = (geomeans_by([p[i] for p in group], "scheme", SCHEMES, "ratio").get("overall") for i in (0, 1))
+        return {"points": len(group), "before": then, "after": now,
+                "moved": [{"point": f"{r['model']} {r['scheme']} M={r['M']}", "before": b["ratio"],
+                           "after": r["ratio"]} for b, r in group]}
+    return {"changed": split(True), "unchanged": split(False)}
+
 class SideBySide:
     """The run: every model x scheme x M of bench/moe.py's grid (through its Bench: weights, layers, inputs, timing)."""
 
@@ -350,6 +373,7 @@ class SideBySide:
         self.compute_type = tl.float16 if self.smoke else tl.bfloat16
         self.bench.ceilings()  # the floor of each point (bench/moe.py), from copy and MMA rates measured now
         self.rows: list[dict] = []
+        self.baseline: Optional[tuple[str, list[dict]]] = getattr(args, "baseline", None)  # (path, its rows)
         self.bench.log(f"vLLM fused_moe.py: {self.vllm.path} (sha256 {self.vllm.sha256[:16]})")
 
     def run(self) -> bool:
@@ -492,7 +516,27 @@ class SideBySide:
                       if need["capped"] else "")
             lines += ["", f"To reach {need['bar']:.2f}: {capped}the other {need['uncapped']} would need "
                           f"{need['uncapped_needed']:.3f} (now {need['uncapped_geomean']:.3f})."]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + self.baseline_lines()) + "\n"
+
+    def baseline_lines(self) -> list[str]:
+        """--baseline: the geomeans then and now of the points whose config changed and of the others, and each
+        changed point."""
+        compared = self.against_baseline()
+        if compared is None:
+            return []
+        changed, same = compared["changed"], compared["unchanged"]
+
+        def then_now(group: dict) -> str:
+            return f"{group['before']:.3f} -> {group['after']:.3f}" if group["points"] else "-"
+        lines = ["", f"Against {self.baseline[0]}: the {changed['points']} points whose config changed went "
+                     f"{then_now(changed)}; the {same['points']} others {then_now(same)} (the drift between the runs)."]
+        if changed["points"]:
+            lines += ["", "| changed point | vLLM / ours then | now |", "|---|---|---|"]
+            lines += [f"| {m['point']} | {m['before']:.3f} | {m['after']:.3f} |" for m in changed["moved"]]
+        return lines
+
+    def against_baseline(self) -> Optional[dict]:
+        return against_baseline(self.rows, self.baseline[1]) if self.baseline else None
 
     def save(self):
         out = self.bench.out
@@ -500,7 +544,8 @@ class SideBySide:
                    "vllm_fused_moe": str(self.vllm.path), "vllm_fused_moe_sha256": self.vllm.sha256,
                    "timed": "GEMM1 + GEMM2 launches only (see bench/vllm_triton.py)",
                    "rows": self.rows, "geomean_vllm_over_ours": self.geomeans(),
-                   "geomean_vllm_over_floor": self.geomeans("vllm_over_floor"), "headroom": headroom(self.rows)}
+                   "geomean_vllm_over_floor": self.geomeans("vllm_over_floor"), "headroom": headroom(self.rows),
+                   "baseline": self.baseline[0] if self.baseline else None, "against_baseline": self.against_baseline()}
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "vllm_triton.md").write_text(self.table())
 
@@ -533,6 +578,18 @@ def _row_line(r: dict) -> str:
     return head + times
 
 
+def baseline_rows(path: str) -> tuple[str, list[dict]]:
+    """--baseline's (path, rows) of an earlier side-by-side's results.json; argparse reports what is wrong."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise argparse.ArgumentTypeError(f"{path} is not a results.json of bench/vllm_triton.py (no \"rows\")") \
+            from None
+    return path, rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-dir", help="folder with vLLM 0.33's fused_moe.py and configs/ (default: the installed "
@@ -547,6 +604,9 @@ def main(argv=None) -> int:
                    help="time both sides in turn this many times and keep each side's fastest")
     p.add_argument("--per-gemm", action="store_true",
                    help="also time each side's GEMM1 and GEMM2 alone (columns in results.json; about doubles the run)")
+    p.add_argument("--baseline", type=baseline_rows, metavar="RESULTS_JSON",
+                   help="an earlier run's results.json: adds the geomeans then and now of the points whose config "
+                        "changed and of the others (their drift)")
     p.add_argument("--profile", action="store_true",
                    help="time nothing: run each side's GEMMs once inside cudaProfilerStart/Stop, for ncu "
                         "--profile-from-start off (bench/gpu_steps.sh profile_vllm)")

@@ -171,3 +171,54 @@ def test_headroom_splits_the_points_at_the_bar_by_their_cap(vt):
 def test_headroom_needs_an_uncapped_point(vt):
     assert vt.headroom([_point(1.0, 1.05)]) is None
     assert vt.headroom([_point(1.2, 1.3)])["capped_geomean"] is None
+
+
+def _run_point(model: str, M: int, ratio: float, block_m: int, ok: bool = True) -> dict:
+    g = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    return {"model": model, "scheme": "bf16", "M": M, "ok": ok, "ratio": ratio,
+            "ours_config": {"BLOCK_M": block_m, "gemm1": g, "gemm2": g}}
+
+
+def test_against_a_baseline_the_changed_points_are_told_from_the_drift(vt):
+    """--baseline: a point whose config changed (BLOCK_M 64 -> 128) against two that kept theirs, whose drift
+    1.00 -> 1.05 and 1.10 -> 1.10 shows what a change must clear. A config written with its defaults spelled out is
+    the same config; a point failing in either run, or in only one of them, is left out."""
+    then = [_run_point("a", 1, 1.00, 64), _run_point("a", 16, 1.10, 64), _run_point("a", 64, 1.20, 64),
+            _run_point("a", 256, 1.0, 64), _run_point("b", 1, 1.0, 64)]
+    spelled = _run_point("a", 16, 1.10, 64)
+    spelled["ours_config"]["gemm1"] = dict(spelled["ours_config"]["gemm1"], TMA=False, MAXNREG=None)
+    spelled["ours_config"]["TAIL_M"] = 0
+    now = [_run_point("a", 1, 1.05, 64), spelled, _run_point("a", 64, 1.32, 128),
+           _run_point("a", 256, 2.0, 128, ok=False), _run_point("c", 1, 3.0, 128)]
+    got = vt.against_baseline(now, then)
+    assert got["changed"] == {"points": 1, "before": pytest.approx(1.20), "after": pytest.approx(1.32),
+                              "moved": [{"point": "a bf16 M=64", "before": 1.20, "after": 1.32}]}
+    assert (got["unchanged"]["points"], got["unchanged"]["before"], got["unchanged"]["after"]) == \
+        (2, pytest.approx((1.00 * 1.10) ** 0.5), pytest.approx((1.05 * 1.10) ** 0.5))
+    assert vt.against_baseline(now, [_run_point("d", 1, 1.0, 64)]) is None
+
+
+def test_the_table_reports_the_baseline_split(vt):
+    sbs = object.__new__(vt.SideBySide)
+    sbs.rows = [_run_point("a", 1, 1.05, 64), _run_point("a", 64, 1.32, 128)]
+    sbs.baseline = ("old/results.json", [_run_point("a", 1, 1.00, 64), _run_point("a", 64, 1.20, 64)])
+    assert sbs.baseline_lines() == [
+        "", "Against old/results.json: the 1 points whose config changed went 1.200 -> 1.320; the 1 others "
+            "1.000 -> 1.050 (the drift between the runs).",
+        "", "| changed point | vLLM / ours then | now |", "|---|---|---|", "| a bf16 M=64 | 1.200 | 1.320 |"]
+    sbs.baseline = None
+    assert sbs.baseline_lines() == []
+
+
+@pytest.mark.parametrize("content,error", [
+    (None, "cannot read {path}: No such file or directory"),
+    ("{not json", "{path} is not a results.json of bench/vllm_triton.py (no \"rows\")"),
+    ('{"geomean": 1.0}', "{path} is not a results.json of bench/vllm_triton.py (no \"rows\")")])
+def test_a_baseline_that_is_not_a_side_by_side_is_refused_by_name(vt, tmp_path, capsys, content, error):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        vt.main(["--baseline", str(path), "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"argument --baseline: {error.format(path=path)}" in capsys.readouterr().err

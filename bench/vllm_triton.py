@@ -337,7 +337,6 @@ def headroom(rows: list[dict], bar: float = BAR) -> Optional[dict]:
             "uncapped_needed": math.exp((len(ok) * math.log(bar) - logs) / len(free))}
 
 
-
 def against_baseline(rows: list[dict], baseline_rows: list[dict]) -> Optional[dict]:
     """This run's points against an earlier run's (--baseline), over the points that agree in both: the geomean of
     vLLM / ours then and now, split by whether our config at the point changed. The unchanged points show the drift
@@ -355,9 +354,10 @@ def against_baseline(rows: list[dict], baseline_rows: list[dict]) -> Optional[di
                  if (MoEConfig.from_dict(b["ours_config"]) != MoEConfig.from_dict(r["ours_config"])) == changed]
         then, now = (geomeans_by([p[i] for p in group], "scheme", SCHEMES, "ratio").get("overall") for i in (0, 1))
         return {"points": len(group), "before": then, "after": now,
-                "moved": [{"point": f"{r['model']} {r['scheme']} M={r['M']}", "before": b["ratio"],
-                           "after": r["ratio"]} for b, r in group]}
+                "each": [{"point": f"{r['model']} {r['scheme']} M={r['M']}", "before": b["ratio"],
+                          "after": r["ratio"]} for b, r in group]}
     return {"changed": split(True), "unchanged": split(False)}
+
 
 class SideBySide:
     """The run: every model x scheme x M of bench/moe.py's grid (through its Bench: weights, layers, inputs, timing)."""
@@ -532,7 +532,7 @@ class SideBySide:
                      f"{then_now(changed)}; the {same['points']} others {then_now(same)} (the drift between the runs)."]
         if changed["points"]:
             lines += ["", "| changed point | vLLM / ours then | now |", "|---|---|---|"]
-            lines += [f"| {m['point']} | {m['before']:.3f} | {m['after']:.3f} |" for m in changed["moved"]]
+            lines += [f"| {m['point']} | {m['before']:.3f} | {m['after']:.3f} |" for m in changed["each"]]
         return lines
 
     def against_baseline(self) -> Optional[dict]:
@@ -587,6 +587,12 @@ def baseline_rows(path: str) -> tuple[str, list[dict]]:
     except (ValueError, KeyError, TypeError):
         raise argparse.ArgumentTypeError(f"{path} is not a results.json of bench/vllm_triton.py (no \"rows\")") \
             from None
+    needed = ("model", "scheme", "M", "ratio", "ours_config")
+    for i, row in enumerate(rows):
+        missing = [k for k in needed if row.get("ok") and k not in row]
+        if missing:
+            raise argparse.ArgumentTypeError(f"{path}: row {i} has no {', '.join(missing)}; a side-by-side's rows "
+                                             f"hold {', '.join(needed)}")
     return path, rows
 
 

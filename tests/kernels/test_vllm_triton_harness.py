@@ -192,7 +192,7 @@ def test_against_a_baseline_the_changed_points_are_told_from_the_drift(vt):
            _run_point("a", 256, 2.0, 128, ok=False), _run_point("c", 1, 3.0, 128)]
     got = vt.against_baseline(now, then)
     assert got["changed"] == {"points": 1, "before": pytest.approx(1.20), "after": pytest.approx(1.32),
-                              "moved": [{"point": "a bf16 M=64", "before": 1.20, "after": 1.32}]}
+                              "each": [{"point": "a bf16 M=64", "before": 1.20, "after": 1.32}]}
     assert (got["unchanged"]["points"], got["unchanged"]["before"], got["unchanged"]["after"]) == \
         (2, pytest.approx((1.00 * 1.10) ** 0.5), pytest.approx((1.05 * 1.10) ** 0.5))
     assert vt.against_baseline(now, [_run_point("d", 1, 1.0, 64)]) is None
@@ -213,7 +213,9 @@ def test_the_table_reports_the_baseline_split(vt):
 @pytest.mark.parametrize("content,error", [
     (None, "cannot read {path}: No such file or directory"),
     ("{not json", "{path} is not a results.json of bench/vllm_triton.py (no \"rows\")"),
-    ('{"geomean": 1.0}', "{path} is not a results.json of bench/vllm_triton.py (no \"rows\")")])
+    ('{"geomean": 1.0}', "{path} is not a results.json of bench/vllm_triton.py (no \"rows\")"),
+    ('{"rows": [{"ok": true, "model": "a", "scheme": "bf16", "M": 1}]}',
+     "{path}: row 0 has no ratio, ours_config; a side-by-side's rows hold model, scheme, M, ratio, ours_config")])
 def test_a_baseline_that_is_not_a_side_by_side_is_refused_by_name(vt, tmp_path, capsys, content, error):
     path = tmp_path / "results.json"
     if content is not None:

@@ -581,11 +581,7 @@ class Bench:
 
     def faster(self, run, best, cfgs, scheme: Scheme):
         """The fastest of `best` (µs, config) and the valid cfgs timed before the sweep's time is up."""
-        cfgs = self.valid(cfgs, scheme)
-        if time.time() > self.sweep_until:
-            self.untimed += len(cfgs)
-            return best
-        found = self.pick(run, cfgs, until=self.sweep_until)
+        found = self.pick(run, self.valid(cfgs, scheme), until=self.sweep_until)
         return found if found and found[0] < best[0] else best
 
     def chain_moves(self, cfg: MoEConfig, M: int, model: Model, scheme: Scheme) -> list[MoEConfig]:

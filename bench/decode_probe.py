@@ -19,15 +19,19 @@ from moerules.kernels.scheme import Scheme  # noqa: E402
 
 
 def kernel_trace(fn) -> list[tuple[str, float, float]]:
-    """(name, start µs, duration µs) of each GPU kernel one call of fn runs (fn replays a graph)."""
+    """(name, start µs, duration µs) of each GPU kernel one call of fn runs (fn replays a graph), in start order."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    # the weights leave L2 first, as before every timed replay (do_bench's flush): without it, the previous
+    # replay's last weights (up to 50 MB on the H100) made the traced kernels read faster than the timed ones
+    torch.empty(256 << 20, dtype=torch.int8, device="cuda").zero_()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sorted((e.name[:60], e.time_range.start, e.time_range.end - e.time_range.start) for e in events)
+    starts = sorted((e.time_range.start, e.name[:60], e.time_range.end - e.time_range.start) for e in events)
+    return [(name, start, duration) for start, name, duration in starts]
 
 
 def main(argv=None) -> int:
@@ -39,6 +43,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     b = Bench(argparse.Namespace(smoke=False, models=args.models, out=args.out, ms=args.ms, schemes=args.schemes))
     rows = []
+    # What the timing itself costs: a graph of one one-element fill, timed as the forwards are (L2 flushed before
+    # each replay), so each forward's time above its kernels' span can be told from this fixed part.
+    one = torch.empty(1, device="cuda")
+    report_row(rows, {"model": "one-kernel graph", "scheme": "-", "M": 0,
+                      "forward_us": b.time_us(lambda: one.fill_(0.0), graph=True)}, Path(args.out, "decode_probe.json"))
     for name in args.models:
         for sname in [s for s in b.timed_schemes(name) if s in args.schemes]:
             layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")

@@ -43,7 +43,7 @@ def _sorted_gemm2_kernel(a_desc, w_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr
     m_blocks = tl.cdiv(tl.load(num_post_ptr), BLOCK_M)
     num_tiles = m_blocks * n_tiles
     step = PROGRAMS if PERSISTENT else num_tiles  # one program per tile: the loop runs once
-    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT and not WS, warp_specialize=WS):
         group = GROUP_M * n_tiles
         first_m = (tile // group) * GROUP_M
         rows_in_group = tl.minimum(m_blocks - first_m, GROUP_M)

@@ -413,7 +413,8 @@ class Bench:
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
     FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG")
-    MOE_FIELDS = ("CHAIN", "TAIL_M")  # swept after both GEMMs' fields (`chain_moves`, `tail_moves`)
+    # swept after both GEMMs' fields (`chain_moves`, `tail_moves`, `sorted_moves`)
+    MOE_FIELDS = ("CHAIN", "TAIL_M", "SORTED_INTER")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -437,8 +438,8 @@ class Bench:
         """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
-        field's best before the next, then CHAIN and TAIL_M (`chain_moves`, `tail_moves`; --fields: only those, from
-        the config in use; --seeds-only: none). --point-seconds ends the sweep that long after the point began (its
+        field's best before the next, then CHAIN, TAIL_M and SORTED_INTER (`chain_moves`, `tail_moves`,
+        `sorted_moves`; --fields: only those, from the config in use; --seeds-only: none). --point-seconds ends the sweep that long after the point began (its
         seeds are all timed), keeping the best found: a device call's time cap would otherwise lose the point. A
         config replaces the one in use only if its output matches the one in use within the scheme's tolerance and it
         stays faster when the two are timed again, in turn, CONFIRM_ROUNDS times (`fastest_interleaved`): single
@@ -557,7 +558,8 @@ class Bench:
         return MoEConfig(BLOCK_M=1, gemm1=g, gemm2=g)
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
-        """One pass over the fields of gemm1, then of gemm2, then CHAIN; `best` is (µs, MoEConfig)."""
+        """One pass over the fields of gemm1, then of gemm2, then CHAIN, TAIL_M and SORTED_INTER; `best` is (µs,
+        MoEConfig)."""
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
         fields = self.args.fields or self.FIELDS + self.MOE_FIELDS
         for which in ("gemm1", "gemm2"):
@@ -568,7 +570,20 @@ class Bench:
             best = self.faster(run, best, self.chain_moves(best[1], M, model, scheme), scheme)
         if "TAIL_M" in fields:
             best = self.faster(run, best, self.tail_moves(best[1], M, model), scheme)
+        if "SORTED_INTER" in fields:
+            best = self.faster(run, best, self.sorted_moves(best[1], M, model), scheme)
         return best
+
+    @staticmethod
+    def sorted_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:
+        """cfg with the intermediate's layout flipped (MoEConfig.SORTED_INTER), a sorted one with GEMM2's A tiles
+        read by address and by TMA, where the batch is sorted into runs (not the naive assignment); `valid` drops
+        what the scheme or the tiles refuse (tail tiles, chaining, intermediates scaled per row)."""
+        if use_naive_assignment(M * model.k, model.E):
+            return []
+        if cfg.SORTED_INTER:
+            return [replace(cfg, SORTED_INTER=False)]
+        return [replace(cfg, SORTED_INTER=True, gemm2=replace(cfg.gemm2, TMA=tma)) for tma in (False, True)]
 
     @staticmethod
     def tail_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:

@@ -289,8 +289,9 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
     act, swiglu = layer.experts.activation, layer.experts.swiglu
     cfg = launch.config_for(w, num_tokens=M, top_k=k, device=x_q.device)
     align = alignments(cfg.BLOCK_M, cfg.TAIL_M)
+    cfg = launch.sorted_intermediate_in_use(cfg, align, w)
     out_dtype = TORCH_DTYPE[w.in_dtype]
-    inter = torch.empty(M * k, w.intermediate, dtype=out_dtype, device=x_q.device)
+    inter = launch.intermediate_buffer(w, align, cfg, num_slots=M * k, dtype=out_dtype)
     out2 = torch.empty(M * k, w.hidden, dtype=out_dtype, device=x_q.device)
 
     quantize = layer.experts.quantize_intermediate(w)
@@ -306,8 +307,21 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
         launch.gemm2(inter_q, inter_scale, weights=w, topk_weights=tw, align=align, cfg=cfg, out=out2)
     full = launch.fused_moe(x_q, a_scale=a_scale, weights=w, topk_ids=ids, topk_weights=tw, activation=act,
                             quantize_intermediate=quantize, out_dtype=out_dtype, swiglu=swiglu)
-    return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=inter, config=cfg.to_dict(),
-                gemm2_input=(inter_q, inter_scale))
+    by_slot = (lambda t: in_slot_order(t, align, M * k)) if cfg.SORTED_INTER else (lambda t: t)
+    return Side(gemm1=gemm1, gemm2=gemm2, out=full, gemm1_out=by_slot(inter), config=cfg.to_dict(),
+                gemm2_input=(by_slot(inter_q), inter_scale))
+
+
+def in_slot_order(rows: torch.Tensor, align, num_slots: int) -> torch.Tensor:
+    """An intermediate laid out by aligned row (MoEConfig.SORTED_INTER) as vLLM's kernels write and read it: a row
+    per slot."""
+    n = int(align.num_post_padded.item())
+    slots = align.sorted_ids[:n].long()
+    real = slots < num_slots
+    row_of_slot = torch.empty(num_slots, dtype=torch.long, device=rows.device)
+    row_of_slot[slots[real]] = torch.arange(n, device=rows.device)[real]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[rows.element_size()]  # fp8 rows cannot be indexed
+    return rows.view(bits)[row_of_slot].view(rows.dtype)
 
 
 def geomeans_by(rows: list[dict], group: str, groups, column: str) -> dict[str, float]:

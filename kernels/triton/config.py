@@ -53,20 +53,24 @@ class MoEConfig:
     # Rows of the tail tiles (0: none): an expert's remainder of at most TAIL_M rows past its whole BLOCK_M tiles
     # takes one swapped tile of TAIL_M rows in the same launch instead of a padded BLOCK_M one (align.py).
     TAIL_M: int = 0
+    # GEMM1 stores the intermediate by aligned row (the r-th row of the sorted order at row r, padding rows zero), not
+    # by slot, so GEMM2 reads each A tile as one box of rows, by TMA with gemm2.TMA, instead of gathering its rows by
+    # slot: for batches that take the sorted assignment (not the naive one), without tail tiles or chaining.
+    SORTED_INTER: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0))
+                   CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0), SORTED_INTER=d.get("SORTED_INTER", False))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN and TAIL_M only where
-        set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN, TAIL_M and SORTED_INTER
+        only where set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
-        for optional in ("CHAIN", "TAIL_M"):
+        for optional in ("CHAIN", "TAIL_M", "SORTED_INTER"):
             if not d[optional]:
                 del d[optional]
         return d
@@ -183,11 +187,13 @@ def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_ro
     """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
     up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`), and chained entries (CHAIN) unless
-    the batch takes the naive assignment (`naive`), the only one they run. Nearest M alone sent Mixtral-8x7B at M=16
+    the batch takes the naive assignment (`naive`), the only one they run, and sorted intermediates (SORTED_INTER)
+    only if it does not (the naive assignment has no sorted order). Nearest M alone sent Mixtral-8x7B at M=16
     (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33
     (bench/results/s27)."""
     return {m: cfg for m, cfg in table.items()
-            if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)}
+            if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)
+            and not (naive and cfg.SORTED_INTER)}
 
 
 def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:
@@ -237,6 +243,8 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
                          f"BLOCK_M={cfg.BLOCK_M}, or 0 for no tail tiles")
     if cfg.CHAIN:
         _check_chain(cfg, scheme)
+    if cfg.SORTED_INTER:
+        _check_sorted_intermediate(cfg, scheme)
 
 
 def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:
@@ -254,3 +262,16 @@ def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:
     if cfg.TAIL_M:
         raise ValueError("CHAIN: chained launches take the naive assignment, one slot per block, so no tail tiles; "
                          "remove TAIL_M from this config")
+
+
+def _check_sorted_intermediate(cfg: MoEConfig, scheme: Scheme) -> None:
+    """What a sorted intermediate (MoEConfig.SORTED_INTER) needs: whole BLOCK_M blocks of the sorted assignment, and
+    an intermediate whose scales do not follow its rows (they would be indexed by slot)."""
+    if cfg.BLOCK_M == 1 or cfg.CHAIN or cfg.TAIL_M:
+        raise ValueError("SORTED_INTER: the intermediate is laid out by BLOCK_M blocks of the sorted assignment, "
+                         "which GEMV rows (BLOCK_M 1), chained launches and tail tiles do not use; remove "
+                         "SORTED_INTER from this config")
+    if scheme.is_mx or (scheme.quantizes_activations and scheme.act_granularity != Granularity.tensor):
+        raise ValueError(f"SORTED_INTER: {scheme.cell} gives the intermediate scales per row or group, which GEMM2 "
+                         "reads by slot; only unquantised and per-tensor intermediates can be sorted, so remove "
+                         "SORTED_INTER from this config")

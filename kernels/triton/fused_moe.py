@@ -153,6 +153,12 @@ def _real_rows(rows, row_ok):
 
 
 @triton.jit
+def _sorted_rows(pid_m, BLOCK_M: tl.constexpr):
+    """The rows of block pid_m in an intermediate laid out by aligned row (MoEConfig.SORTED_INTER)."""
+    return pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
 def _e2m1_x2pow14(t):
     """The e2m1 nibble held in bits 12..15 of t (int32) -> its value * 2^-14 in fp32, exactly.
 
@@ -675,10 +681,10 @@ def gemm1_gated_kernel(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
-        W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0):
+        W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False):
     """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages. TAIL_M: the rows
     of the tail tiles (0: none), swapped (tokens on the MMA's N side, so a short tile keeps wgmma's 64-row side full
-    of weights); `tiles_ptr`: the tile table (align.py)."""
+    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT: as in gemm1_tile (never with tail tiles)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
@@ -702,7 +708,7 @@ def gemm1_gated_kernel(
                stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
                BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M)
+               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT)
 
 
 @triton.jit
@@ -718,7 +724,7 @@ def gemm1_tile(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
-        s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0):
+        s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -734,6 +740,8 @@ def gemm1_tile(
     goes. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
     the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
     ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
+    SORTED_OUT (MoEConfig.SORTED_INTER): out row pid_m * BLOCK_M + r for the tile's row r instead of its slot's row,
+    padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
@@ -801,8 +809,12 @@ def gemm1_tile(
         out = _activation(gate, ACTIVATION, PTX_MATH, EIGHT_BIT_OUT)
     stored = out.to(out_ptr.dtype.element_ty)
     tile_ok = row_ok[:, None] & col_ok[None, :]
-    out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, stored, mask=tile_ok)
+    if SORTED_OUT:
+        out_ptrs = out_ptr + _sorted_rows(pid_m, BLOCK_M)[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, tl.where(row_ok[:, None], stored, 0), mask=col_ok[None, :])
+    else:
+        out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, stored, mask=tile_ok)
     if AMAX:
         tl.store(amax_ptr + program, _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
 
@@ -818,9 +830,10 @@ def gemm2_weighted_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
-        W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0):
+        W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
+        a_desc=None, A_SORTED: tl.constexpr = 0):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel."""
+    as in gemm1_gated_kernel; A_SORTED, a_desc: as in gemm2_tile (never with tail tiles)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
@@ -840,7 +853,7 @@ def gemm2_weighted_kernel(
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
                lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA,
-               s_desc, W_BLOCKS, TAIL_M)
+               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED)
 
 
 @triton.jit
@@ -854,11 +867,14 @@ def gemm2_tile(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0):
+        w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, a_desc=None,
+        A_SORTED: tl.constexpr = 0):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
-    pid_n, W_BLOCKS (0 or 1), ROW_UNIT: as in gemm1_tile."""
+    pid_n, W_BLOCKS (0 or 1), ROW_UNIT: as in gemm1_tile. A_SORTED: the intermediate's rows are the slots' (0), or in
+    aligned-row order (gemm1_tile's SORTED_OUT), the tile's A then one box of rows read by address (1) or as a TMA
+    copy of a_desc's [BLOCK_M, BLOCK_K] box (2); its padding rows hold zeros, so the box needs no row mask."""
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -874,7 +890,14 @@ def gemm2_tile(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if A_SORTED == 2:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+        elif A_SORTED == 1:
+            a = tl.load(a_ptr + _sorted_rows(pid_m, BLOCK_M)[:, None] * stride_am + ks[None, :], mask=k_ok[None, :],
+                        other=0.0)
+        else:
+            a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
         acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                       BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc, pid_n * BLOCK_N,

@@ -273,7 +273,8 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
                            topk_weights=topk_weights, top_k=k, out_dtype=out_dtype, alloc=alloc, swiglu=swiglu)
     lora1 = _lora_epilogue_kwargs(x_q, weights.lora, gemm=1, slots_per_row=k, num_slots=T * k, align=align,
                                   dummy=weights.w13)
-    inter = alloc(T * k, I, dtype=out_dtype, device=x_q.device)
+    cfg = sorted_intermediate_in_use(cfg, align, weights)
+    inter = intermediate_buffer(weights, align, cfg, num_slots=T * k, dtype=out_dtype, alloc=alloc)
     amaxes = gemm1(x_q, a_scale, weights=weights, align=align, cfg=cfg, activation=activation, out=inter, top_k=k,
                    swiglu=swiglu, lora=lora1)
     # LoRA's GEMM2 shrink reads the intermediate as GEMM1 wrote it, before any re-quantisation.
@@ -284,6 +285,26 @@ def fused_moe(x_q: torch.Tensor, *, a_scale: Optional[torch.Tensor], weights: Mo
     gemm2(inter_q, inter_scale, weights=weights, topk_weights=topk_weights, align=align, cfg=cfg, out=out,
           lora=lora2)
     return topk_sum(out, k) if k > 1 else out
+
+
+def sorted_intermediate_in_use(cfg: MoEConfig, align: Alignment, weights: MoEWeights) -> MoEConfig:
+    """cfg, without SORTED_INTER where this batch cannot lay the intermediate out by aligned row: under the naive
+    assignment (no sorted order; the lookup gives such batches no sorted entry, `config._entries_for`) or with LoRA,
+    whose shrink reads the intermediate by slot. The layout changes no value, only where GEMM1 stores them."""
+    return replace(cfg, SORTED_INTER=False) if align.naive or weights.lora is not None else cfg
+
+
+def intermediate_buffer(weights: MoEWeights, align: Alignment, cfg: MoEConfig, *, num_slots: int,
+                        dtype: torch.dtype, alloc: Callable = torch.empty) -> torch.Tensor:
+    """GEMM1's output: a row per slot, or with SORTED_INTER a row per aligned row (align.num_blocks * BLOCK_M; the
+    blocks past the last real one are never written). A quantiser that takes its own amax of it (no partial amaxes
+    from GEMM1, no static scale) reads every row, so the unwritten ones then start zeroed."""
+    if not cfg.SORTED_INTER:
+        return alloc(num_slots, weights.intermediate, dtype=dtype, device=weights.w13.device)
+    rows = align.num_blocks * cfg.BLOCK_M
+    own_amax = (weights.scheme.quantizes_activations and weights.a2_scale is None
+                and not _epilogue_amax(weights, rows * weights.intermediate))
+    return (torch.zeros if own_amax else alloc)(rows, weights.intermediate, dtype=dtype, device=weights.w13.device)
 
 
 def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg: MoEConfig, activation: Activation,
@@ -380,6 +401,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     I, H = weights.intermediate, weights.hidden
     interleaved = is_interleaved(activation)
     g = cfg.gemm1
+    _check_intermediate_rows(out, align, cfg, num_slots=x_q.shape[0] * top_k, gemm=1)
     x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, out.dtype)
     programs = align.num_tiles * triton.cdiv(I, g.BLOCK_N)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
@@ -388,7 +410,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
         gemm1_gated_kernel[(programs,)](
             x_q, a_scale if a_scale is not None else dummy, weights.w13,
             weights.w13_scale if weights.w13_scale is not None else dummy, bias, out,
-            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_tiles, I, H, top_k,
+            *align.kernel_args(), x_q.shape[0] * top_k, weights.num_experts, align.num_tiles, I, H, top_k,
             2 if interleaved else 1, 1 if interleaved else I,
             x_q.stride(0), a_scale.stride(0) if a_scale is not None and a_scale.dim() == 2 else 1,
             weights.w13.stride(0), weights.w13.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
@@ -400,8 +422,34 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             **pdl_kwargs(out.device), **ptx_math(out.device), EIGHT_BIT_OUT=weights.scheme.quantizes_activations,
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                                   halves=weights.gated and not interleaved),
-            W_BLOCKS=_weight_blocks(weights, g, gemm=1, interleaved=interleaved))
+            W_BLOCKS=_weight_blocks(weights, g, gemm=1, interleaved=interleaved), SORTED_OUT=cfg.SORTED_INTER)
     return amax
+
+
+def _check_intermediate_rows(inter: torch.Tensor, align: Alignment, cfg: MoEConfig, *, num_slots: int,
+                             gemm: int) -> None:
+    """The intermediate a GEMM writes or reads has the rows `intermediate_buffer` gives this config: a buffer of the
+    other layout would be written past its end or read at the wrong rows."""
+    rows = align.num_blocks * cfg.BLOCK_M if cfg.SORTED_INTER else num_slots
+    if inter.shape[0] != rows:
+        layout = "one per aligned row (SORTED_INTER)" if cfg.SORTED_INTER else "one per slot"
+        raise KernelInputError(f"gemm{gemm}: the intermediate has {inter.shape[0]} rows, and this config lays it out "
+                               f"in {rows}, {layout}; allocate it with launch.intermediate_buffer")
+
+
+def _sorted_input(inter_q: torch.Tensor, cfg: MoEConfig) -> dict:
+    """A_SORTED and a_desc of a GEMM2 launch (fused_moe.gemm2_tile): with SORTED_INTER its A tiles are boxes of the
+    intermediate's rows, TMA copies of them with gemm2.TMA."""
+    if not cfg.SORTED_INTER:
+        return dict(A_SORTED=0, a_desc=None)
+    if not cfg.gemm2.TMA:
+        return dict(A_SORTED=1, a_desc=None)
+    box = [cfg.BLOCK_M, cfg.gemm2.BLOCK_K]
+    problem = _tma_problem(inter_q, box)
+    if problem:
+        raise KernelInputError(f"gemm2: the config asks for TMA copies of the sorted intermediate, which cannot read "
+                               f"it ({problem}); set \"TMA\": false in gemm2")
+    return dict(A_SORTED=2, a_desc=TensorDescriptor.from_tensor(inter_q, box))
 
 
 def _epilogue_amax(weights: MoEWeights, inter_numel: int) -> bool:
@@ -431,6 +479,7 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     cfg = fragment_tiles(cfg, weights.scheme)
     H, I = weights.hidden, weights.intermediate
     g = cfg.gemm2
+    _check_intermediate_rows(inter_q, align, cfg, num_slots=out.shape[0], gemm=2)
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
     with _register_cap_honoured(g, gemm=2):
         gemm2_weighted_kernel[(align.num_tiles * triton.cdiv(H, g.BLOCK_N),)](
@@ -442,4 +491,4 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
             HAS_BIAS=weights.has_bias, **_row_tiles(align), **flags, **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N, halves=False),
-            W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False))
+            W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False), **_sorted_input(inter_q, cfg))

@@ -177,6 +177,20 @@ def test_the_sweep_offers_each_other_tail_tile_below_block_m_where_runs_are_sort
     assert "TAIL_M" in moe.MOE_FIELDS
 
 
+def test_the_sweep_flips_the_intermediates_layout_where_runs_are_sorted(tuner):
+    """SORTED_INTER: an unsorted config sorted, GEMM2's A tiles by address and by TMA; a sorted one unsorted; nothing
+    under the naive assignment (no sorted order)."""
+    moe = type(tuner)
+    model = types.SimpleNamespace(E=128, k=8)
+    g = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
+    cfg = MoEConfig(BLOCK_M=64, gemm1=g, gemm2=g)
+    assert tuner.sorted_moves(cfg, 4096, model) == [
+        dataclasses.replace(cfg, SORTED_INTER=True, gemm2=dataclasses.replace(g, TMA=tma)) for tma in (False, True)]
+    assert tuner.sorted_moves(dataclasses.replace(cfg, SORTED_INTER=True), 4096, model) == [cfg]
+    assert tuner.sorted_moves(cfg, 4, model) == []  # 32 slots for 128 experts: the naive assignment
+    assert "SORTED_INTER" in moe.MOE_FIELDS
+
+
 def test_the_sweep_stops_at_the_points_time_limit_keeping_the_best_so_far(tuner, monkeypatch):
     """--point-seconds: a device call's cap kills the tuner mid-point and loses it, so the sweep stops first. Each
     config timed here takes 10 s of a fake clock and the limit falls after the second: the third and every later

@@ -9,12 +9,13 @@ carry/vllm033); the tests skip only when there is none.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import types
 
 import pytest
 import torch
-from kernel_helpers import bench_module, needs_interpreter
+from kernel_helpers import bench_module, needs_interpreter, run_with_config
 
 from moerules.kernels.triton.config import GemmConfig, MoEConfig
 
@@ -59,6 +60,18 @@ def test_vllm_kernel_agrees_with_ours(vt, fused_moe_dir, tmp_path, model, scheme
     launched = row["vllm_config"]["launched"]
     assert (launched["SWAP_AB"], launched["naive_block_assignment"]) == (swap_ab, naive)
     assert row["vllm_config"]["source"] == "get_default_config"  # no tuned file for the CPU
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("model,scheme,M", [("tiny", "bf16", 40), ("tiny", "fp8_tensor", 5)])
+def test_a_sorted_intermediate_is_compared_and_handed_over_in_slot_order(vt, fused_moe_dir, tmp_path, monkeypatch,
+                                                                          model, scheme, M):
+    """With MoEConfig.SORTED_INTER our GEMM1 writes by aligned row; its output is checked against vLLM's, and handed
+    to vLLM's GEMM2, in slot order (vllm_triton.in_slot_order)."""
+    run_with_config(monkeypatch, lambda cfg: dataclasses.replace(cfg, SORTED_INTER=True))
+    row, _, ours = _side_by_side(vt, tmp_path).compare(model, scheme, M)
+    assert row["ours_config"]["SORTED_INTER"] and ours.gemm1_out.shape[0] == M * 2
+    assert max(row["gemm1_rel_err"], row["rel_err"]) <= 3e-3 and row["ok"]
 
 
 @INTERPRETER_ONLY

@@ -1,0 +1,125 @@
+"""The intermediate laid out by aligned row (MoEConfig.SORTED_INTER): GEMM1 stores the r-th row of the sorted order
+at row r, GEMM2 reads each A tile as one box of rows (by address, or by TMA with gemm2.TMA). It moves values, never
+changes them: every cell that can sort gives the unsorted output bit for bit; the others are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, run_with_config
+
+from moerules.activation import Activation
+from moerules.errors import KernelInputError
+from moerules.kernels.scheme import Scheme, scheme_cells
+from moerules.kernels.triton import config as config_module
+from moerules.kernels.triton import launch
+from moerules.kernels.triton.align import moe_align
+from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config
+
+SORTED_VARIANTS = {
+    "by_address": lambda cfg: dataclasses.replace(cfg, SORTED_INTER=True),
+    "by_tma": lambda cfg: dataclasses.replace(cfg, SORTED_INTER=True, gemm2=dataclasses.replace(cfg.gemm2, TMA=True)),
+}
+
+
+def _sortable(cell: str) -> bool:
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    try:
+        check_config(MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True), Scheme.from_quant(quant_of(cell)))
+    except ValueError:
+        return False
+    return True
+
+
+SORTABLE = [c for c in scheme_cells() if _sortable(c)]
+
+
+def _forward(cell: str, monkeypatch, change=None, *, lora_rank: int = 0) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        if change:
+            run_with_config(m, change)
+        layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
+                           device=DEVICE, lora_rank=lora_rank)
+        x, ids, w = random_inputs(layer, 13, 2, device=DEVICE)
+        assert not moe_align(ids, num_experts=layer.weights.num_experts, block_m=16).naive
+        return layer(x, topk_ids=ids, topk_weights=w)
+
+
+def test_the_sortable_cells_are_the_unquantised_and_per_tensor_intermediates():
+    assert "unquantized" in SORTABLE and "fp8_w8a8/tensor/tensor" in SORTABLE and "int8_w8a16/channel" in SORTABLE
+    assert not [c for c in SORTABLE if "token" in c or "group" in c or c.startswith("mx")]
+
+
+@pytest.mark.parametrize("variant", SORTED_VARIANTS)
+@pytest.mark.parametrize("cell", SORTABLE)
+def test_a_sorted_intermediate_gives_the_slot_ordered_output_bit_for_bit(cell, variant, poison_empty, monkeypatch):
+    """Poisoned buffers (NaN): a padding row GEMM2 reads as a box, had GEMM1 not zeroed it, would poison only its
+    own output row, which is never stored; a row GEMM1 forgot would show."""
+    unsorted = _forward(cell, monkeypatch)
+    assert torch.isfinite(unsorted).all()
+    assert torch.equal(_forward(cell, monkeypatch, SORTED_VARIANTS[variant]), unsorted)
+
+
+def test_lora_keeps_the_slot_layout(poison_empty, monkeypatch):
+    """LoRA's GEMM2 shrink reads the intermediate by slot, so a sorted config runs unsorted there, same bits."""
+    sorted_cfg = SORTED_VARIANTS["by_address"]
+    assert torch.equal(_forward("unquantized", monkeypatch, sorted_cfg, lora_rank=4),
+                       _forward("unquantized", monkeypatch, lora_rank=4))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(BLOCK_M=1), "GEMV rows"),
+    (dict(TAIL_M=16, BLOCK_M=32), "tail tiles"),
+])
+def test_layouts_without_sorted_blocks_are_refused(change, message):
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    cfg = dataclasses.replace(MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True), **change)
+    with pytest.raises(ValueError, match=rf"^SORTED_INTER: the intermediate is laid out by BLOCK_M blocks of the "
+                                         rf"sorted assignment, which GEMV rows \(BLOCK_M 1\), chained launches and "
+                                         rf"tail tiles do not use; remove SORTED_INTER from this config$") as info:
+        check_config(cfg, Scheme.from_quant(quant_of("unquantized")))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("cell", ["fp8_w8a8/channel/token", "fp8_w8a8/block128/group128", "mxfp4_w4a16/group32"])
+def test_intermediates_scaled_by_row_are_refused(cell):
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    scheme = Scheme.from_quant(quant_of(cell))
+    with pytest.raises(ValueError, match=rf"^SORTED_INTER: {cell} gives the intermediate scales per row or group, "
+                                         rf"which GEMM2 reads by slot; only unquantised and per-tensor intermediates "
+                                         rf"can be sorted, so remove SORTED_INTER from this config$"):
+        check_config(MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True), scheme)
+
+
+def test_a_buffer_of_the_other_layout_is_refused_before_any_launch():
+    layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, device=DEVICE)
+    w = layer.weights
+    x, ids, _ = random_inputs(layer, 13, 2, device=DEVICE)
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    cfg = MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True)
+    align = moe_align(ids, num_experts=w.num_experts, block_m=16)
+    slot_rows = torch.empty(ids.numel(), w.intermediate, dtype=x.dtype, device=DEVICE)
+    rows = align.num_blocks * 16
+    with pytest.raises(KernelInputError, match=rf"^gemm1: the intermediate has {ids.numel()} rows, and this config "
+                                               rf"lays it out in {rows}, one per aligned row \(SORTED_INTER\); "
+                                               rf"allocate it with launch.intermediate_buffer$"):
+        launch.gemm1(x, None, weights=w, align=align, cfg=cfg, activation=layer.experts.activation, out=slot_rows,
+                     top_k=2)
+    assert launch.intermediate_buffer(w, align, cfg, num_slots=ids.numel(), dtype=x.dtype).shape == \
+        (rows, w.intermediate)
+
+
+def test_sorted_entries_serve_only_batches_of_the_sorted_assignment():
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    table = {1: MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True), 64: MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g)}
+    assert list(config_module._entries_for(table, rows_per_expert=0.1, gemv_rows=1, naive=True)) == [64]
+    assert list(config_module._entries_for(table, rows_per_expert=0.1, gemv_rows=1, naive=False)) == [1, 64]
+
+
+def test_the_field_is_written_only_where_set():
+    g = GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    cfg = MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True)
+    assert cfg.to_dict()["SORTED_INTER"] is True and MoEConfig.from_dict(cfg.to_dict()) == cfg
+    assert "SORTED_INTER" not in dataclasses.replace(cfg, SORTED_INTER=False).to_dict()

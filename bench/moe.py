@@ -578,7 +578,7 @@ class Bench:
     def sorted_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:
         """cfg with the intermediate's layout flipped (MoEConfig.SORTED_INTER), a sorted one with GEMM2's A tiles
         read by address and by TMA, where the batch is sorted into runs (not the naive assignment); `valid` drops
-        what the scheme or the tiles refuse (tail tiles, chaining, intermediates scaled per row)."""
+        what the scheme or the tiles refuse (GEMV rows, chaining, intermediates scaled per row)."""
         if use_naive_assignment(M * model.k, model.E):
             return []
         if cfg.SORTED_INTER:

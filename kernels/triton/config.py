@@ -54,8 +54,8 @@ class MoEConfig:
     # takes one swapped tile of TAIL_M rows in the same launch instead of a padded BLOCK_M one (align.py).
     TAIL_M: int = 0
     # GEMM1 stores the intermediate by aligned row (the r-th row of the sorted order at row r, padding rows zero), not
-    # by slot, so GEMM2 reads each A tile as one box of rows, by TMA with gemm2.TMA, instead of gathering its rows by
-    # slot: for batches that take the sorted assignment (not the naive one), without tail tiles or chaining.
+    # by slot, so GEMM2 reads each A tile as one box of rows, by TMA with gemm2.TMA (tail tiles by address), instead
+    # of gathering its rows by slot: for batches that take the sorted assignment (not the naive one), unchained.
     SORTED_INTER: bool = False
 
     @classmethod
@@ -265,12 +265,11 @@ def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:
 
 
 def _check_sorted_intermediate(cfg: MoEConfig, scheme: Scheme) -> None:
-    """What a sorted intermediate (MoEConfig.SORTED_INTER) needs: whole BLOCK_M blocks of the sorted assignment, and
-    an intermediate whose scales do not follow its rows (they would be indexed by slot)."""
-    if cfg.BLOCK_M == 1 or cfg.CHAIN or cfg.TAIL_M:
-        raise ValueError("SORTED_INTER: the intermediate is laid out by BLOCK_M blocks of the sorted assignment, "
-                         "which GEMV rows (BLOCK_M 1), chained launches and tail tiles do not use; remove "
-                         "SORTED_INTER from this config")
+    """What a sorted intermediate (MoEConfig.SORTED_INTER) needs: the blocks of the sorted assignment, and an
+    intermediate whose scales do not follow its rows (they would be indexed by slot)."""
+    if cfg.BLOCK_M == 1 or cfg.CHAIN:
+        raise ValueError("SORTED_INTER: the intermediate is laid out by the blocks of the sorted assignment, which "
+                         "GEMV rows (BLOCK_M 1) and chained launches do not use; remove SORTED_INTER from this config")
     if scheme.is_mx or (scheme.quantizes_activations and scheme.act_granularity != Granularity.tensor):
         raise ValueError(f"SORTED_INTER: {scheme.cell} gives the intermediate scales per row or group, which GEMM2 "
                          "reads by slot; only unquantised and per-tensor intermediates can be sorted, so remove "

@@ -153,9 +153,16 @@ def _real_rows(rows, row_ok):
 
 
 @triton.jit
-def _sorted_rows(pid_m, BLOCK_M: tl.constexpr):
-    """The rows of block pid_m in an intermediate laid out by aligned row (MoEConfig.SORTED_INTER)."""
-    return pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _sorted_first_row(pid_m, BLOCK_M: tl.constexpr, ROW_UNIT: tl.constexpr):
+    """The first row of the tile from block pid_m in an intermediate laid out by aligned row (MoEConfig.SORTED_INTER):
+    its first row of sorted_ids (_block_rows)."""
+    return pid_m.to(tl.int64) * (ROW_UNIT if ROW_UNIT else BLOCK_M)
+
+
+@triton.jit
+def _sorted_rows(pid_m, BLOCK_M: tl.constexpr, ROW_UNIT: tl.constexpr):
+    """The tile's BLOCK_M rows in an intermediate laid out by aligned row."""
+    return _sorted_first_row(pid_m, BLOCK_M, ROW_UNIT) + tl.arange(0, BLOCK_M)
 
 
 @triton.jit
@@ -684,7 +691,7 @@ def gemm1_gated_kernel(
         W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False):
     """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages. TAIL_M: the rows
     of the tail tiles (0: none), swapped (tokens on the MMA's N side, so a short tile keeps wgmma's 64-row side full
-    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT: as in gemm1_tile (never with tail tiles)."""
+    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT: as in gemm1_tile."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
@@ -700,7 +707,7 @@ def gemm1_gated_kernel(
                        stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, TAIL_M, BLOCK_N,
                        BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                        PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M)
+                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT)
             return
     gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
@@ -740,8 +747,8 @@ def gemm1_tile(
     goes. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
     the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
     ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
-    SORTED_OUT (MoEConfig.SORTED_INTER): out row pid_m * BLOCK_M + r for the tile's row r instead of its slot's row,
-    padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).
+    SORTED_OUT (MoEConfig.SORTED_INTER): the tile's row r goes to out row first + r, first its first row of sorted_ids,
+    instead of its slot's row, padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
@@ -810,7 +817,7 @@ def gemm1_tile(
     stored = out.to(out_ptr.dtype.element_ty)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if SORTED_OUT:
-        out_ptrs = out_ptr + _sorted_rows(pid_m, BLOCK_M)[:, None] * stride_om + cols[None, :]
+        out_ptrs = out_ptr + _sorted_rows(pid_m, BLOCK_M, ROW_UNIT)[:, None] * stride_om + cols[None, :]
         tl.store(out_ptrs, tl.where(row_ok[:, None], stored, 0), mask=col_ok[None, :])
     else:
         out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
@@ -833,20 +840,22 @@ def gemm2_weighted_kernel(
         W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
         a_desc=None, A_SORTED: tl.constexpr = 0):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel; A_SORTED, a_desc: as in gemm2_tile (never with tail tiles)."""
+    as in gemm1_gated_kernel; A_SORTED, a_desc: as in gemm2_tile."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
     if past:
         return
     if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
+        # a_desc's boxes are BLOCK_M rows, so a tail tile reads its rows of a sorted intermediate by address
+        TAIL_A_SORTED: tl.constexpr = 1 if A_SORTED else 0
         if tail:
             gemm2_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
                        sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                        W_FP4, HAS_BIAS, ACC_INT, TAIL_M, BLOCK_N, BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank,
                        stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc,
-                       W_BLOCKS, TAIL_M)
+                       W_BLOCKS, TAIL_M, a_desc, TAIL_A_SORTED)
             return
     gemm2_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
@@ -891,10 +900,10 @@ def gemm2_tile(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         if A_SORTED == 2:
-            a = a_desc.load([pid_m * BLOCK_M, k0])
+            a = a_desc.load([_sorted_first_row(pid_m, BLOCK_M, ROW_UNIT).to(tl.int32), k0])
         elif A_SORTED == 1:
-            a = tl.load(a_ptr + _sorted_rows(pid_m, BLOCK_M)[:, None] * stride_am + ks[None, :], mask=k_ok[None, :],
-                        other=0.0)
+            a = tl.load(a_ptr + _sorted_rows(pid_m, BLOCK_M, ROW_UNIT)[:, None] * stride_am + ks[None, :],
+                        mask=k_ok[None, :], other=0.0)
         else:
             a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)

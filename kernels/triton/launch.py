@@ -296,12 +296,12 @@ def sorted_intermediate_in_use(cfg: MoEConfig, align: Alignment, weights: MoEWei
 
 def intermediate_buffer(weights: MoEWeights, align: Alignment, cfg: MoEConfig, *, num_slots: int,
                         dtype: torch.dtype, alloc: Callable = torch.empty) -> torch.Tensor:
-    """GEMM1's output: a row per slot, or with SORTED_INTER a row per aligned row (align.num_blocks * BLOCK_M; the
-    blocks past the last real one are never written). A quantiser that takes its own amax of it (no partial amaxes
+    """GEMM1's output: a row per slot, or with SORTED_INTER a row per aligned row (a row of sorted_ids; the blocks past
+    the last real one are never written). A quantiser that takes its own amax of it (no partial amaxes
     from GEMM1, no static scale) reads every row, so the unwritten ones then start zeroed."""
     if not cfg.SORTED_INTER:
         return alloc(num_slots, weights.intermediate, dtype=dtype, device=weights.w13.device)
-    rows = align.num_blocks * cfg.BLOCK_M
+    rows = align.num_blocks * align.block_rows
     own_amax = (weights.scheme.quantizes_activations and weights.a2_scale is None
                 and not _epilogue_amax(weights, rows * weights.intermediate))
     return (torch.zeros if own_amax else alloc)(rows, weights.intermediate, dtype=dtype, device=weights.w13.device)
@@ -430,7 +430,7 @@ def _check_intermediate_rows(inter: torch.Tensor, align: Alignment, cfg: MoEConf
                              gemm: int) -> None:
     """The intermediate a GEMM writes or reads has the rows `intermediate_buffer` gives this config: a buffer of the
     other layout would be written past its end or read at the wrong rows."""
-    rows = align.num_blocks * cfg.BLOCK_M if cfg.SORTED_INTER else num_slots
+    rows = align.num_blocks * align.block_rows if cfg.SORTED_INTER else num_slots
     if inter.shape[0] != rows:
         layout = "one per aligned row (SORTED_INTER)" if cfg.SORTED_INTER else "one per slot"
         raise KernelInputError(f"gemm{gemm}: the intermediate has {inter.shape[0]} rows, and this config lays it out "
@@ -439,7 +439,7 @@ def _check_intermediate_rows(inter: torch.Tensor, align: Alignment, cfg: MoEConf
 
 def _sorted_input(inter_q: torch.Tensor, cfg: MoEConfig) -> dict:
     """A_SORTED and a_desc of a GEMM2 launch (fused_moe.gemm2_tile): with SORTED_INTER its A tiles are boxes of the
-    intermediate's rows, TMA copies of them with gemm2.TMA."""
+    intermediate's rows, TMA copies of BLOCK_M rows with gemm2.TMA (tail tiles by address)."""
     if not cfg.SORTED_INTER:
         return dict(A_SORTED=0, a_desc=None)
     if not cfg.gemm2.TMA:

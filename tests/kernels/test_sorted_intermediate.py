@@ -61,11 +61,15 @@ def test_the_sortable_cells_are_the_unquantised_and_per_tensor_intermediates():
     assert not [c for c in SORTABLE if "token" in c or "group" in c or c.startswith("mx")]
 
 
-@pytest.mark.parametrize("variant", SORTED_VARIANTS)
-@pytest.mark.parametrize("cell", SORTABLE)
+# Tail tiles change only which rows a tile starts at, not the arithmetic: three cells (one per kind of GEMM2 input)
+# cover them, every sortable cell the plain tiles.
+TAIL_CELLS = ["unquantized", "fp8_w8a8/tensor/tensor", "int8_w8a16/channel"]
+CASES = [(c, v) for c in SORTABLE for v in SORTED_VARIANTS if not v.startswith("tails") or c in TAIL_CELLS]
+
+
+@pytest.mark.parametrize("cell,variant", CASES)
 def test_a_sorted_intermediate_gives_the_slot_ordered_output_bit_for_bit(cell, variant, poison_empty, monkeypatch):
-    """Poisoned buffers (NaN): a padding row GEMM2 reads as a box, had GEMM1 not zeroed it, would poison only its
-    own output row, which is never stored; a row GEMM1 forgot would show."""
+    """Buffers poisoned with NaN: a row GEMM1 did not write, or GEMM2 read from the wrong row, would show."""
     M = TAILS_M if variant.startswith("tails") else 13
     unsorted = _forward(cell, monkeypatch, M=M)
     assert torch.isfinite(unsorted).all()

@@ -28,9 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import TIMED_SCHEMES, Bench, fastest_interleaved, report_row  # noqa: E402
-from vllm_triton import Alignments, our_gemms  # noqa: E402
-
-from moerules.kernels.scheme import Scheme  # noqa: E402
+from vllm_triton import Alignments, gemm_inputs, our_gemms  # noqa: E402
 
 
 @triton.jit
@@ -109,12 +107,8 @@ def launcher(a_sorted, weights, align, topk_weights, a_scale, out, fields: dict)
 
 
 def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int) -> dict:
-    layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
+    layer, ids, tw, x_q, a_scale = gemm_inputs(b, name, sname, M)
     w = layer.weights
-    x, ids, tw = b.inputs(name, M)
-    prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
-                                          a13_scale=w.a13_scale)
-    x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
     alignments = Alignments(ids, w.num_experts)
     ours = our_gemms(layer, x_q, a_scale, ids, tw, alignments=alignments)
     inter_q, inter_scale = ours.gemm2_input
@@ -129,7 +123,7 @@ def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int) -> dict:
             row[vname] = "naive assignment: no sorted order"
             continue
         a_sorted = sorted_rows(inter_q, align.sorted_ids, ids.numel())
-        out = torch.zeros(ids.numel(), w.hidden, dtype=x.dtype, device=x.device)
+        out = torch.zeros(ids.numel(), w.hidden, dtype=ours.out.dtype, device=ids.device)
         fn = launcher(a_sorted, w, align, tw_flat, inter_scale, out, fields)
         try:
             fn()

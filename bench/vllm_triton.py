@@ -312,6 +312,18 @@ def our_gemms(layer, x_q, a_scale, ids, tw, *, alignments: Alignments) -> Side:
                 gemm2_input=(by_slot(inter_q), inter_scale))
 
 
+def gemm_inputs(b: Bench, name: str, sname: str, M: int):
+    """(the Triton layer, topk ids, topk weights, GEMM1's input and its scale) at one point, as the layer prepares
+    them."""
+    layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
+    w = layer.weights
+    x, ids, tw = b.inputs(name, M)
+    prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
+                                          a13_scale=w.a13_scale)
+    x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
+    return layer, ids, tw, x_q, a_scale
+
+
 def in_slot_order(rows: torch.Tensor, align, num_slots: int) -> torch.Tensor:
     """An intermediate laid out by aligned row (MoEConfig.SORTED_INTER) as vLLM's kernels write and read it: a row
     per slot."""
@@ -443,13 +455,8 @@ class SideBySide:
 
     def compare(self, name: str, sname: str, M: int):
         """(row with both checks, vLLM's side, ours) at one point."""
-        b = self.bench
-        layer = b.layer(name, Scheme.from_quant(TIMED_SCHEMES[sname]).cell, "triton.fused_moe")
+        layer, ids, tw, x_q, a_scale = gemm_inputs(self.bench, name, sname, M)
         w = layer.weights
-        x, ids, tw = b.inputs(name, M)
-        prep = layer.prepare_finalize.prepare(x, topk_ids=ids, topk_weights=tw, defer_input_quant=False,
-                                              a13_scale=w.a13_scale)
-        x_q, a_scale = layer.experts.gemm1_input(prep.hidden_q, a_scale=prep.a_scale, weights=w)
         self.stand_ins.alignments = Alignments(ids, w.num_experts)
         ours = our_gemms(layer, x_q, a_scale, ids, tw, alignments=self.stand_ins.alignments)
         vllm = self.vllm_gemms(layer, sname, x_q, a_scale, ids, tw, gemm2_input=ours.gemm2_input)

@@ -299,12 +299,14 @@ def intermediate_buffer(weights: MoEWeights, align: Alignment, cfg: MoEConfig, *
     """GEMM1's output: a row per slot, or with SORTED_INTER a row per aligned row (a row of sorted_ids; the blocks past
     the last real one are never written). A quantiser that takes its own amax of it (no partial amaxes
     from GEMM1, no static scale) reads every row, so the unwritten ones then start zeroed."""
-    if not cfg.SORTED_INTER:
-        return alloc(num_slots, weights.intermediate, dtype=dtype, device=weights.w13.device)
-    rows = align.num_blocks * align.block_rows
-    own_amax = (weights.scheme.quantizes_activations and weights.a2_scale is None
+    rows = _intermediate_rows(align, cfg, num_slots=num_slots)
+    own_amax = (cfg.SORTED_INTER and weights.scheme.quantizes_activations and weights.a2_scale is None
                 and not _epilogue_amax(weights, rows * weights.intermediate))
     return (torch.zeros if own_amax else alloc)(rows, weights.intermediate, dtype=dtype, device=weights.w13.device)
+
+
+def _intermediate_rows(align: Alignment, cfg: MoEConfig, *, num_slots: int) -> int:
+    return align.num_blocks * align.block_rows if cfg.SORTED_INTER else num_slots
 
 
 def chained_moe(x_q: torch.Tensor, *, weights: MoEWeights, align: Alignment, cfg: MoEConfig, activation: Activation,
@@ -430,7 +432,7 @@ def _check_intermediate_rows(inter: torch.Tensor, align: Alignment, cfg: MoEConf
                              gemm: int) -> None:
     """The intermediate a GEMM writes or reads has the rows `intermediate_buffer` gives this config: a buffer of the
     other layout would be written past its end or read at the wrong rows."""
-    rows = align.num_blocks * align.block_rows if cfg.SORTED_INTER else num_slots
+    rows = _intermediate_rows(align, cfg, num_slots=num_slots)
     if inter.shape[0] != rows:
         layout = "one per aligned row (SORTED_INTER)" if cfg.SORTED_INTER else "one per slot"
         raise KernelInputError(f"gemm{gemm}: the intermediate has {inter.shape[0]} rows, and this config lays it out "

@@ -12,14 +12,19 @@ today against `_sorted_gemm2_kernel` variants (persistent or one program per til
 shapes), each checked against today's output, all timed in turn (CUDA graphs, L2 flushed). bf16 and FP8 per tensor
 (A and W scales per tensor / per expert); no bias, no LoRA, no tail tiles — enough to measure, not a kernel to ship.
 
-    python bench/sorted_gemm2_probe.py --out DIR --points qwen3-30b-a3b:fp8_tensor:4096 ...
+    python bench/sorted_gemm2_probe.py --out DIR --points qwen3-30b-a3b:fp8_tensor:4096 ... [--variants persist]
+
+Each variant's first launch (compile and run) is logged with its seconds as it ends, so a run the device's time limit
+cuts short still says which variant it was in: with 100 s and then 440 s, session 45's and 46's runs printed nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -73,11 +78,11 @@ def sorted_rows(inter_q: torch.Tensor, sorted_ids: torch.Tensor, num_slots: int)
 
 
 def variants(block_m: int) -> dict[str, dict]:
-    """name -> launch fields: persistent with and without warp specialisation, and one program per tile, at the
-    tiles GEMM2 is tuned around (BLOCK_N 128 / 256, BLOCK_K 64 / 128)."""
+    """name -> launch fields: one program per tile, then persistent, then persistent and warp-specialised (the
+    riskiest to compile last), at the tiles GEMM2 is tuned around (BLOCK_N 128 / 256, BLOCK_K 64 / 128)."""
     out = {}
-    for (bn, bk, stages), (persistent, ws) in itertools.product(((128, 128, 3), (256, 64, 4), (128, 64, 4)),
-                                                               ((False, False), (True, False), (True, True))):
+    for (persistent, ws), (bn, bk, stages) in itertools.product(((False, False), (True, False), (True, True)),
+                                                               ((128, 128, 3), (256, 64, 4), (128, 64, 4))):
         name = f"n{bn}k{bk}s{stages}{'_persist' if persistent else ''}{'_ws' if ws else ''}"
         out[name] = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PERSISTENT=persistent, WS=ws, num_stages=stages,
                          num_warps=8 if not ws else 4)
@@ -106,7 +111,7 @@ def launcher(a_sorted, weights, align, topk_weights, a_scale, out, fields: dict)
     return run
 
 
-def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int) -> dict:
+def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int, only: str = "") -> dict:
     layer, ids, tw, x_q, a_scale = gemm_inputs(b, name, sname, M)
     w = layer.weights
     alignments = Alignments(ids, w.num_experts)
@@ -118,6 +123,8 @@ def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int) -> dict:
     tw_flat = tw.reshape(-1).contiguous()
     fns = {"today": ours.gemm2}
     for vname, fields in variants(ours.config["BLOCK_M"]).items():
+        if not re.search(only, vname):
+            continue
         align = alignments(fields["BLOCK_M"])
         if align.naive:
             row[vname] = "naive assignment: no sorted order"
@@ -125,12 +132,15 @@ def probe_point(b: Bench, name: str, sname: str, M: int, rounds: int) -> dict:
         a_sorted = sorted_rows(inter_q, align.sorted_ids, ids.numel())
         out = torch.zeros(ids.numel(), w.hidden, dtype=ours.out.dtype, device=ids.device)
         fn = launcher(a_sorted, w, align, tw_flat, inter_scale, out, fields)
+        start = time.monotonic()
         try:
             fn()
             torch.cuda.synchronize()
         except Exception as exc:  # a variant Triton cannot compile is recorded, not fatal
             row[vname] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
+        finally:
+            print(f"{row['point']} {vname}: first launch {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
         ref = reference_gemm2(inter_q, inter_scale, w, align, tw_flat, ids.numel())
         row[f"{vname}_rel_err"] = float((out.float() - ref).norm() / ref.norm())
         fns[vname] = fn
@@ -166,13 +176,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--points", nargs="+", required=True, help="model:scheme:M")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default="", help="a regex: only the variants whose name it matches (default all)")
     args = p.parse_args(argv)
     models = sorted({pt.split(":")[0] for pt in args.points})
     b = Bench(argparse.Namespace(smoke=False, models=models, out=args.out, ms=None, schemes=list(TIMED_SCHEMES)))
     rows = []
     for point in args.points:
         name, sname, m = point.split(":")
-        report_row(rows, probe_point(b, name, sname, int(m), args.rounds), Path(args.out, "sorted_gemm2.json"))
+        report_row(rows, probe_point(b, name, sname, int(m), args.rounds, args.variants), Path(args.out, "sorted_gemm2.json"))
         torch.cuda.empty_cache()
     return 0
 

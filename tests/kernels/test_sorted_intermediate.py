@@ -18,17 +18,19 @@ from moerules.kernels.triton import launch
 from moerules.kernels.triton.align import moe_align
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config
 
-def _sorted(tma: bool, **change):
-    return lambda cfg: dataclasses.replace(cfg, SORTED_INTER=True, gemm2=dataclasses.replace(cfg.gemm2, TMA=tma),
+def _layout(sort: bool, tma: bool, **change):
+    return lambda cfg: dataclasses.replace(cfg, SORTED_INTER=sort, gemm2=dataclasses.replace(cfg.gemm2, TMA=tma),
                                            **change)
 
 
+# Each variant is compared with the same tiles laid out by slot: other tiles may round differently (on the H100 the
+# FP8 cell's 32-row tiles with swapped 16-row tails quantise a few intermediate values one FP8 step apart).
 SORTED_VARIANTS = {
-    "by_address": _sorted(False),
-    "by_tma": _sorted(True),
+    "by_address": dict(tma=False),
+    "by_tma": dict(tma=True),
     # tail tiles (align.py), read by address under TMA: 32-row tiles and 16-row tails (TAILS_M tokens give both)
-    "tails_by_address": _sorted(False, BLOCK_M=32, TAIL_M=16),
-    "tails_by_tma": _sorted(True, BLOCK_M=32, TAIL_M=16),
+    "tails_by_address": dict(tma=False, BLOCK_M=32, TAIL_M=16),
+    "tails_by_tma": dict(tma=True, BLOCK_M=32, TAIL_M=16),
 }
 TAILS_M = 70  # 140 slots on 8 experts
 
@@ -71,14 +73,14 @@ CASES = [(c, v) for c in SORTABLE for v in SORTED_VARIANTS if not v.startswith("
 def test_a_sorted_intermediate_gives_the_slot_ordered_output_bit_for_bit(cell, variant, poison_empty, monkeypatch):
     """Buffers poisoned with NaN: a row GEMM1 did not write, or GEMM2 read from the wrong row, would show."""
     M = TAILS_M if variant.startswith("tails") else 13
-    unsorted = _forward(cell, monkeypatch, M=M)
+    unsorted = _forward(cell, monkeypatch, _layout(False, **SORTED_VARIANTS[variant]), M=M)
     assert torch.isfinite(unsorted).all()
-    assert torch.equal(_forward(cell, monkeypatch, SORTED_VARIANTS[variant], M=M), unsorted)
+    assert torch.equal(_forward(cell, monkeypatch, _layout(True, **SORTED_VARIANTS[variant]), M=M), unsorted)
 
 
 def test_lora_keeps_the_slot_layout(poison_empty, monkeypatch):
     """LoRA's GEMM2 shrink reads the intermediate by slot, so a sorted config runs unsorted there, same bits."""
-    sorted_cfg = SORTED_VARIANTS["by_address"]
+    sorted_cfg = _layout(True, tma=False)
     assert torch.equal(_forward("unquantized", monkeypatch, sorted_cfg, lora_rank=4),
                        _forward("unquantized", monkeypatch, lora_rank=4))
 

@@ -43,7 +43,8 @@
 #             (DEVICE_MX_SCHEMES, default mxfp4) by the forward; the faster past the margin goes into this GPU's
 #             files (they come back in device_probe/configs). DEVICE_SECONDS / DEVICE_MX_SECONDS cap the two halves
 #   sorted_gemm2  GEMM2 reading a sorted-order intermediate by TMA, persistent / warp-specialised, against today's
-#             (bench/sorted_gemm2_probe.py; SORTED_POINTS, model:scheme:M; SORTED_VARIANTS, a regex of variant names)
+#             (bench/sorted_gemm2_probe.py; SORTED_POINTS, model:scheme:M; SORTED_VARIANTS, a regex of variant names;
+#             SORTED_ARGS adds options, e.g. --warp-specialized, whose first launch never returned on the H100)
 #   pdl_probe     the forward with dependent launches and our top-k sum on and off, alternately (bench/pdl_probe.py;
 #             PDL_POINTS, model:scheme:M)
 # Session 23 on the H100: `tune harness tests bench` (OUT_NAME=final), then `tests harness tune recheck`
@@ -174,7 +175,7 @@ decode_probe() {
 sorted_gemm2() {
   timeout "${PROBE_SECONDS:-400}" python3 bench/sorted_gemm2_probe.py --out "$out/sorted_gemm2" \
     --points ${SORTED_POINTS:-qwen3-30b-a3b:fp8_tensor:4096 qwen3-30b-a3b:bf16:4096} --variants "${SORTED_VARIANTS:-}" \
-    > "$out/sorted_gemm2.log" 2>&1
+    ${SORTED_ARGS:-} > "$out/sorted_gemm2.log" 2>&1
 }
 pdl_probe() {
   timeout "${PROBE_SECONDS:-150}" python3 bench/pdl_probe.py --out "$out/pdl_probe" \

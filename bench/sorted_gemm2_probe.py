@@ -82,8 +82,8 @@ def sorted_rows(inter_q: torch.Tensor, sorted_ids: torch.Tensor, num_slots: int)
 
 
 def variants(block_m: int, warp_specialized: bool = False) -> dict[str, dict]:
-    """name -> launch fields: one program per tile, then persistent, and with warp_specialized persistent and
-    warp-specialised last (the module docstring says why they are opt-in), at the tiles GEMM2 is tuned around
+    """name -> launch fields: one program per tile, then persistent; with warp_specialized also persistent and
+    warp-specialised, last (the module docstring says why they are opt-in). Each at the tiles GEMM2 is tuned around
     (BLOCK_N 128 / 256, BLOCK_K 64 / 128)."""
     out = {}
     modes = ((False, False), (True, False)) + (((True, True),) if warp_specialized else ())
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     rows = []
     for point in args.points:
         name, sname, m = point.split(":")
-        report_row(rows, probe_point(b, name, sname, int(m), args.rounds, args.variants,
-                                            args.warp_specialized), Path(args.out, "sorted_gemm2.json"))
+        row = probe_point(b, name, sname, int(m), args.rounds, args.variants, args.warp_specialized)
+        report_row(rows, row, Path(args.out, "sorted_gemm2.json"))
         torch.cuda.empty_cache()
     return 0
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, TRITON_DTYPE, make_layer, quant_of, random_inputs, run_with_config
+from kernel_helpers import DEVICE, TRITON_DTYPE, bench_module, make_layer, quant_of, random_inputs, run_with_config
 
 from moerules.activation import Activation
 from moerules.errors import KernelInputError
@@ -135,3 +135,15 @@ def test_the_field_is_written_only_where_set():
     cfg = MoEConfig(BLOCK_M=16, gemm1=g, gemm2=g, SORTED_INTER=True)
     assert cfg.to_dict()["SORTED_INTER"] is True and MoEConfig.from_dict(cfg.to_dict()) == cfg
     assert "SORTED_INTER" not in dataclasses.replace(cfg, SORTED_INTER=False).to_dict()
+
+
+def test_the_gemm2_probe_runs_warp_specialised_variants_only_when_asked(monkeypatch):
+    """Their first launch never returned on the H100 (bench/results/s46), and a hung launch holds the device's call."""
+    probe = bench_module(monkeypatch, "sorted_gemm2_probe")
+    plain = probe.variants(128)
+    assert list(plain) == ["n128k128s3", "n256k64s4", "n128k64s4",
+                           "n128k128s3_persist", "n256k64s4_persist", "n128k64s4_persist"]
+    asked = probe.variants(128, warp_specialized=True)
+    assert list(asked)[:6] == list(plain)
+    assert list(asked)[6:] == ["n128k128s3_persist_ws", "n256k64s4_persist_ws", "n128k64s4_persist_ws"]
+    assert all(f["WS"] and f["num_warps"] == 4 for n, f in asked.items() if n.endswith("_ws"))

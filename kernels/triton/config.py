@@ -40,6 +40,10 @@ class GemmConfig:
     # ptxas's cap on registers per thread (Triton's maxnreg), for a tile that a few registers more would leave one
     # program per SM fewer than its shared memory allows (a data file's choice, from a measurement).
     MAXNREG: Optional[int] = None
+    # Under 128x128 block scaling, two MMAs per K step, one per half of the tile's weight rows (GEMM1: gate, up; GEMM2:
+    # the two column halves), each promoted into its own accumulator (fused_moe._k_loop_halves): the fresh product is
+    # half the tile, so 128-row tiles can take 256 weight rows without spilling.
+    HALF_MMA: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,14 @@ class MoEConfig:
                    CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0), SORTED_INTER=d.get("SORTED_INTER", False))
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, CHAIN, TAIL_M and SORTED_INTER
-        only where set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, its HALF_MMA, CHAIN, TAIL_M and
+        SORTED_INTER only where set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
+            if not d[gemm]["HALF_MMA"]:
+                del d[gemm]["HALF_MMA"]
         for optional in ("CHAIN", "TAIL_M", "SORTED_INTER"):
             if not d[optional]:
                 del d[optional]
@@ -236,6 +242,8 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
                              "per-thread cap), or absent")
         if g.TMA and cfg.BLOCK_M == 1:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
+        if g.HALF_MMA:
+            _check_half_mma(name, g, cfg, scheme)
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")
     if cfg.TAIL_M and not (16 <= cfg.TAIL_M < cfg.BLOCK_M and cfg.TAIL_M & (cfg.TAIL_M - 1) == 0):
@@ -245,6 +253,19 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
         _check_chain(cfg, scheme)
     if cfg.SORTED_INTER:
         _check_sorted_intermediate(cfg, scheme)
+
+
+def _check_half_mma(name: str, g: GemmConfig, cfg: MoEConfig, scheme: Scheme) -> None:
+    """What HALF_MMA (GemmConfig) needs: 128x128 block-scaled weights, MMA tiles, and halves of at most one block of
+    128 rows and at least tl.dot's 16 (GEMM1's halves, gate and up, are BLOCK_N rows each; the launch checks that
+    they lie in one block each)."""
+    if scheme.weight_granularity != Granularity.block128:
+        raise ValueError(f"{name}: HALF_MMA promotes block-scaled products, and {scheme.cell} has no 128x128 weight "
+                         "blocks; remove HALF_MMA from this config")
+    half = g.BLOCK_N if name == "gemm1" else g.BLOCK_N // 2
+    if cfg.BLOCK_M == 1 or cfg.CHAIN or not 16 <= half <= 128:
+        raise ValueError(f"{name}: HALF_MMA takes MMA tiles (BLOCK_M >= 16, not chained) whose halves hold 16 to 128 "
+                         f"weight rows (here {half}: BLOCK_N={g.BLOCK_N}); remove HALF_MMA or change BLOCK_N")
 
 
 def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:

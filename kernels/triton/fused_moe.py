@@ -483,6 +483,51 @@ def _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, w_scale_e, w_r
 
 
 @triton.jit
+def _a_tile(a_ptr, a_desc, rows, row_ok, pid_m, stride_am, k0, ks, k_ok, A_SORTED: tl.constexpr,
+            BLOCK_M: tl.constexpr, ROW_UNIT: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] A tile of one K step: its rows gathered by address (A_SORTED 0), or the tile's box of
+    an intermediate laid out by aligned row, by address (1) or as a TMA copy of a_desc's box (2; gemm2_tile)."""
+    if A_SORTED == 2:
+        a = a_desc.load([_sorted_first_row(pid_m, BLOCK_M, ROW_UNIT).to(tl.int32), k0])
+    elif A_SORTED == 1:
+        a = tl.load(a_ptr + _sorted_rows(pid_m, BLOCK_M, ROW_UNIT)[:, None] * stride_am + ks[None, :],
+                    mask=k_ok[None, :], other=0.0)
+    else:
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return a
+
+
+@triton.jit
+def _k_loop_halves(a_ptr, a_desc, a_rows, row_ok, pid_m, stride_am, a_scale_ptr, stride_asm, w_e, ws_e, w_rows1,
+                   w_rows2, col_ok1, col_ok2, first1, first2, K, stride_wn, stride_wsn, A_SCALE: tl.constexpr,
+                   W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr, STAGES: tl.constexpr, w_desc, tma_e1, tma_e2, tma_row1, tma_row2,
+                   W_TMA: tl.constexpr, A_SORTED: tl.constexpr, ROW_UNIT: tl.constexpr):
+    """The K loop of a block-scaled tile whose two halves of HALF_N weight rows (w_rows1, the first from first1;
+    w_rows2 from first2; by TMA, boxes of planes tma_e1 / tma_e2 at rows tma_row1 / tma_row2) each lie in one block
+    of 128 rows: per K step one A tile and two MMAs, each product promoted into its own fp32 accumulator.
+
+    One MMA over the whole tile needs a fresh product as large as the tile beside its accumulator: at 128 x 256 on
+    8 warps that is 256 fp32 registers per thread, which ptxas spills (sm_90, DeepSeek-V3 FP8 block-128), so the
+    single-MMA loop is held to 64-row tiles there. Halves need half of that, and each weight byte from L2 then serves
+    128 rows."""
+    tl.static_assert(W_SCALE == 3, "promoted halves serve 128x128 block-scaled weights")
+    acc1 = _acc_zeros(BLOCK_M, HALF_N, tl.float32, SWAP_AB)
+    acc2 = _acc_zeros(BLOCK_M, HALF_N, tl.float32, SWAP_AB)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = _a_tile(a_ptr, a_desc, a_rows, row_ok, pid_m, stride_am, k0, ks, k_ok, A_SORTED, BLOCK_M, ROW_UNIT)
+        acc1 = _k_step(acc1, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows1, col_ok1, w_rows1,
+                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, False, 0, False, HALF_N, BLOCK_K,
+                       SWAP_AB, w_desc, tma_e1, tma_row1, W_TMA, None, first1, 1)
+        acc2 = _k_step(acc2, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows2, col_ok2, w_rows2,
+                       stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, False, 0, False, HALF_N, BLOCK_K,
+                       SWAP_AB, w_desc, tma_e2, tma_row2, W_TMA, None, first2, 1)
+    return acc1, acc2
+
+
+@triton.jit
 def _epilogue_scale(acc, a_scale_ptr, a_rows, row_ok, w_scale_e, w_rows, col_ok, stride_wsn,
                     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr):
     """Apply the scales that factor out of the K sum (everything except block scales)."""
@@ -688,10 +733,11 @@ def gemm1_gated_kernel(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
-        W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False):
+        W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False,
+        HALF_MMA: tl.constexpr = False):
     """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages. TAIL_M: the rows
     of the tail tiles (0: none), swapped (tokens on the MMA's N side, so a short tile keeps wgmma's 64-row side full
-    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT: as in gemm1_tile."""
+    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT, HALF_MMA: as in gemm1_tile."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
@@ -707,7 +753,7 @@ def gemm1_gated_kernel(
                        stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, TAIL_M, BLOCK_N,
                        BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                        PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT)
+                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
             return
     gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
@@ -715,7 +761,7 @@ def gemm1_gated_kernel(
                stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
                BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
                PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT)
+               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
 
 
 @triton.jit
@@ -731,7 +777,8 @@ def gemm1_tile(
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
-        s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False):
+        s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False,
+        HALF_MMA: tl.constexpr = False):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
@@ -749,6 +796,8 @@ def gemm1_tile(
     ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
     SORTED_OUT (MoEConfig.SORTED_INTER): the tile's row r goes to out row first + r, first its first row of sorted_ids,
     instead of its slot's row, padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).
+    HALF_MMA (block scaling, W_BLOCKS 2; _k_loop_halves): the gate half and the up half of each K step are two MMAs,
+    each promoted into its own accumulator.
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
@@ -786,22 +835,34 @@ def gemm1_tile(
     block_rows = pid_n * W_COLS  # W_BLOCKS 1 (_k_step): non-gated, or interleaved pairs, the rows consecutive
     if W_BLOCKS == 2:
         block_rows = (pid_n * BLOCK_N, up_row_offset + pid_n * BLOCK_N)
-    acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
-                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
-                      BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc, block_rows, W_BLOCKS)
-    let_next_kernel_launch(PDL)
-    acc = _acc_rows_first(acc, SWAP_AB)
-    if ALTERNATING:
-        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    elif GATED:
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    if HALF_MMA:
+        tl.static_assert(W_BLOCKS == 2, "HALF_MMA: each half of the tile in one block of 128 rows")
+        gate_w_rows = _real_rows(gate_rows, col_ok)
+        acc_g, acc_u = _k_loop_halves(
+            a_ptr, None, a_rows, row_ok, pid_m, stride_am, a_scale_ptr, stride_asm, w_e, ws_e, gate_w_rows,
+            gate_w_rows + up_row_offset, col_ok, col_ok, block_rows[0], block_rows[1], K, stride_wn, stride_wsn, A_SCALE,
+            W_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, STAGES, w_desc, (2 * e).to(tl.int32),
+            (2 * e + 1).to(tl.int32), pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, 0, ROW_UNIT)
     else:
-        acc_g = acc
+        acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = _a_tile(a_ptr, None, a_rows, row_ok, pid_m, stride_am, k0, ks, k_ok, 0, BLOCK_M, ROW_UNIT)
+            acc = _k_step(acc, a, a_scale_ptr, a_rows, row_ok, stride_asm, w_e, ws_e, w_rows, w_ok, slab_rows,
+                          stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, PAIRED, W_COLS,
+                          BLOCK_K, SWAP_AB, w_desc, tma_e, tma_row, W_TMA, s_desc, block_rows, W_BLOCKS)
+    let_next_kernel_launch(PDL)
+    if HALF_MMA:
+        acc_g, acc_u = _acc_rows_first(acc_g, SWAP_AB), _acc_rows_first(acc_u, SWAP_AB)
+    else:
+        acc = _acc_rows_first(acc, SWAP_AB)
+        if ALTERNATING:
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        elif GATED:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_g = acc
     b_e = bias_ptr + e * stride_be
     lb_e = lora_b_ptr + e * stride_lbe
     gate = _pre_activation(acc_g, a_scale_ptr, a_rows, row_ok, ws_e, gate_rows, col_ok, stride_wsn, b_e, slot,
@@ -838,9 +899,9 @@ def gemm2_weighted_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
         W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
-        a_desc=None, A_SORTED: tl.constexpr = 0):
+        a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel; A_SORTED, a_desc: as in gemm2_tile."""
+    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
@@ -855,14 +916,14 @@ def gemm2_weighted_kernel(
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                        W_FP4, HAS_BIAS, ACC_INT, TAIL_M, BLOCK_N, BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank,
                        stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA, s_desc,
-                       W_BLOCKS, TAIL_M, a_desc, TAIL_A_SORTED)
+                       W_BLOCKS, TAIL_M, a_desc, TAIL_A_SORTED, HALF_MMA)
             return
     gemm2_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
                sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
                lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA,
-               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED)
+               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED, HALF_MMA)
 
 
 @triton.jit
@@ -877,41 +938,65 @@ def gemm2_tile(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
         w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, a_desc=None,
-        A_SORTED: tl.constexpr = 0):
+        A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
     pid_n, W_BLOCKS (0 or 1), ROW_UNIT: as in gemm1_tile. A_SORTED: the intermediate's rows are the slots' (0), or in
     aligned-row order (gemm1_tile's SORTED_OUT), the tile's A then one box of rows read by address (1) or as a TMA
-    copy of a_desc's [BLOCK_M, BLOCK_K] box (2); its padding rows hold zeros, so the box needs no row mask."""
+    copy of a_desc's [BLOCK_M, BLOCK_K] box (2); its padding rows hold zeros, so the box needs no row mask.
+    HALF_MMA (block scaling; _k_loop_halves): the tile's two column halves, each in one block of 128 rows, are two
+    MMAs per K step, each promoted into its own accumulator."""
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_rows = _real_rows(cols, col_ok)
-    slab_rows = w_rows
-    if W_FP4:
-        slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
-        slab_rows = _real_rows(slab_rows, slab_rows < N)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        if A_SORTED == 2:
-            a = a_desc.load([_sorted_first_row(pid_m, BLOCK_M, ROW_UNIT).to(tl.int32), k0])
-        elif A_SORTED == 1:
-            a = tl.load(a_ptr + _sorted_rows(pid_m, BLOCK_M, ROW_UNIT)[:, None] * stride_am + ks[None, :],
-                        mask=k_ok[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptr + slot[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-        acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
-                      stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
-                      BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc, pid_n * BLOCK_N,
-                      W_BLOCKS)
-    let_next_kernel_launch(PDL)
+    if HALF_MMA:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        first = pid_n * BLOCK_N
+        cols = first + tl.arange(0, HALF_N)
+        col_ok, col_ok2 = cols < N, cols + HALF_N < N
+        acc, acc2 = _k_loop_halves(
+            a_ptr, a_desc, slot, row_ok, pid_m, stride_am, a_scale_ptr, stride_asm, w_e, ws_e,
+            _real_rows(cols, col_ok), _real_rows(cols + HALF_N, col_ok2), col_ok, col_ok2, first, first + HALF_N, K,
+            stride_wn, stride_wsn, A_SCALE, W_SCALE, BLOCK_M, HALF_N, BLOCK_K, SWAP_AB, STAGES, w_desc,
+            e.to(tl.int32), e.to(tl.int32), first, first + HALF_N, W_TMA, A_SORTED, ROW_UNIT)
+        let_next_kernel_launch(PDL)
+        _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
+                        stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe,
+                        stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
+        _gemm2_epilogue(acc2, cols + HALF_N, col_ok2, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr,
+                        out_ptr, stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr,
+                        stride_lbe, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w_rows = _real_rows(cols, col_ok)
+        slab_rows = w_rows
+        if W_FP4:
+            slab_rows = pid_n * BLOCK_N + 16 * tl.arange(0, BLOCK_N // 16)
+            slab_rows = _real_rows(slab_rows, slab_rows < N)
+        acc = _acc_zeros(BLOCK_M, BLOCK_N, tl.int32 if ACC_INT else tl.float32, SWAP_AB)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = _a_tile(a_ptr, a_desc, slot, row_ok, pid_m, stride_am, k0, ks, k_ok, A_SORTED, BLOCK_M, ROW_UNIT)
+            acc = _k_step(acc, a, a_scale_ptr, slot, row_ok, stride_asm, w_e, ws_e, w_rows, col_ok, slab_rows,
+                          stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
+                          BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc, pid_n * BLOCK_N,
+                          W_BLOCKS)
+        let_next_kernel_launch(PDL)
+        _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
+                        stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe,
+                        stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
+
+
+@triton.jit
+def _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
+                    stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe, stride_lbn,
+                    lora_rank, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Stores topk_weight[slot] * (acc, scaled, + bias + LoRA delta) at out[slot, cols]."""
     out = _epilogue_scale(_acc_rows_first(acc, SWAP_AB), a_scale_ptr, slot, row_ok, ws_e, cols, col_ok, stride_wsn,
                           A_SCALE, W_SCALE)
     if HAS_BIAS:

@@ -21,7 +21,6 @@ TMA_ARGS="--gemms --install --rounds 2 --points deepseek-v3:fp8_block:16384 deep
 export TMA_ARGS PROBE_SECONDS=${PROBE_SECONDS:-150}
 bash bench/gpu_steps.sh tma_probe
 grep '"point"' "$OUT/$OUT_NAME/tma_probe.log" | cut -c1-3000
-diff -r kernels/configs "$OUT/$OUT_NAME/tma_probe/configs" >/dev/null || echo "configs installed"; grep -c . "$OUT/$OUT_NAME/tma_probe/configs/E=256,N=2048,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8_block128.json"
 HARNESS_ARGS="--rounds 2 --baseline bench/results/s46/a_grid/vllm_triton/results.json" HARNESS_SECONDS=${HARNESS_SECONDS:-260} \
   bash bench/gpu_steps.sh harness
 tail -12 "$OUT/$OUT_NAME/vllm_triton.log"

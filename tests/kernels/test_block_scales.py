@@ -6,6 +6,7 @@ float64 reference's within the W8A8 bound."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from kernel_helpers import DEVICE, RecordingKernel, make_layer, random_inputs, reference64, rel_err
@@ -18,6 +19,7 @@ from moerules.kernels.triton.launch import fused_moe
 
 BLOCK = "fp8_w8a8/block128/group128"
 TOL = 1e-2  # test_fused_moe.py's W8A8 bound (triton_tol)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _tile(block_n: int, swap: bool) -> GemmConfig:
@@ -74,14 +76,17 @@ def _half_mma_run(monkeypatch, *, n1: int, n2: int, half: bool, swap: bool = Fal
 @pytest.mark.parametrize("n1, n2", [(64, 128), (128, 256), (32, 64)])
 def test_half_mma_gives_the_one_mma_layer(n1, n2, swap, tma, monkeypatch):
     """HALF_MMA: the gate and up halves of GEMM1's tiles, and the two column halves of GEMM2's, each promoted into
-    their own accumulator, give the layer the single-MMA tiles give (GEMM2 at 256 columns takes a scale per row
-    there), within fp32 rounding, and the float64 reference's within the W8A8 bound."""
+    their own accumulator, give the float64 reference's layer within the W8A8 bound, and in the interpreter, whose
+    sums run in one order, the single-MMA tiles' layer within fp32 rounding (GEMM2 at 256 columns takes a scale per
+    row there). On the GPU narrower MMAs may sum K in another order (a 32-row half of a swapped tile is no wgmma), and
+    GEMM2's FP8 input then rounds a few values one step apart (H100: 5e-3 between the two layers at 32-row halves)."""
     out, ref, l1, l2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=True, swap=swap, tma=tma)
     one, _, o1, o2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=False, swap=swap, tma=tma)
     assert (l1["HALF_MMA"], l2["HALF_MMA"], o1["HALF_MMA"], o2["HALF_MMA"]) == (True, True, False, False)
     assert (l1["W_BLOCKS"], o2["W_BLOCKS"]) == (2, 1 if n2 <= 128 else 0)
-    assert rel_err(out, one) < 1e-5
     assert rel_err(out, ref) < TOL
+    if INTERPRETED:
+        assert rel_err(out, one) < 1e-5
 
 
 def test_half_mma_needs_each_gemm1_half_in_one_block(monkeypatch):

@@ -412,7 +412,8 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG")
+    # HALF_MMA moves only where check_config takes it (block-scaled weights): `valid`
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG", "HALF_MMA")
     # swept after both GEMMs' fields (`chain_moves`, `tail_moves`, `sorted_moves`)
     MOE_FIELDS = ("CHAIN", "TAIL_M", "SORTED_INTER")
     GROUP_MS = (1, 8, 16, 32, 64)
@@ -648,7 +649,7 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
-        return [not cur]  # SWAP_AB, TMA
+        return [not cur]  # SWAP_AB, TMA, HALF_MMA
 
     def valid(self, cfgs, scheme: Scheme) -> list:
         """Configs the kernels accept (check_config) whose pipelined tiles fit in shared memory, each as the GEMMs

@@ -4,7 +4,7 @@ Files live in `kernels/configs/` and are named
     E={E},N={I},device_name={torch device name, spaces -> _},dtype={dtype key}.json
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
     {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB", "TMA",
-     "MAXNREG"]},
+     "MAXNREG", "HALF_MMA"]},
      "gemm2": {...}}
 and the entry with the nearest M is used (GEMV rows only up to one row per expert, 1/8 for MXFP4: `_entries_for`).
 BLOCK_M is shared because it sets the alignment padding both GEMMs read (1: one slot per block,

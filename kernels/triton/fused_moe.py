@@ -42,7 +42,10 @@ Scale codes (tl.constexpr):
            most mx.E8M0_FOLD_MAX (`MoEWeights.fp4_scales_fold`): the bf16 decode then folds its fixed 2^126 into
            the scale.
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
-block and group scales change along K. W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
+block and group scales change along K, so each K step's product is promoted (scaled into the accumulator) by itself,
+one MMA for the tile or, with HALF_MMA, one per half of its weight rows (`_k_loop_halves`: H100, DeepSeek-V3 FP8
+block-128 M=16384, 128 x 256 tiles that way ran GEMM1 1.23x and GEMM2 1.05x faster than the best single-MMA tiles,
+64 x 128; bench/results/s47). W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
 whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
   - MXFP4: the packed tile, in fragment order, is unpacked and scaled (exactly: the scales are powers of two)
@@ -840,8 +843,8 @@ def gemm1_tile(
         gate_w_rows = _real_rows(gate_rows, col_ok)
         acc_g, acc_u = _k_loop_halves(
             a_ptr, None, a_rows, row_ok, pid_m, stride_am, a_scale_ptr, stride_asm, w_e, ws_e, gate_w_rows,
-            gate_w_rows + up_row_offset, col_ok, col_ok, block_rows[0], block_rows[1], K, stride_wn, stride_wsn, A_SCALE,
-            W_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, STAGES, w_desc, (2 * e).to(tl.int32),
+            gate_w_rows + up_row_offset, col_ok, col_ok, block_rows[0], block_rows[1], K, stride_wn, stride_wsn,
+            A_SCALE, W_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, STAGES, w_desc, (2 * e).to(tl.int32),
             (2 * e + 1).to(tl.int32), pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, 0, ROW_UNIT)
     else:
         acc = _acc_zeros(BLOCK_M, W_COLS, tl.int32 if ACC_INT else tl.float32, SWAP_AB)

@@ -54,6 +54,21 @@ def test_register_caps_move_to_one_more_program_per_sm(tuner):
     assert "MAXNREG" in tuner.FIELDS
 
 
+def test_half_mma_moves_are_kept_for_block_scaled_weights_only(tuner, monkeypatch):
+    """HALF_MMA toggles like SWAP_AB and TMA; `valid` keeps a halved config for FP8 block-128 (session 47's H100
+    winner at DeepSeek-V3 M=16384: 128 x 256 tiles in both GEMMs) and drops it for FP8 per tensor, which check_config
+    refuses."""
+    g = GemmConfig(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=3)
+    assert tuner.moves(g, "HALF_MMA", 8, gemv=False) == [dataclasses.replace(g, HALF_MMA=True)]
+    assert "HALF_MMA" in tuner.FIELDS
+    tuner.smoke = False
+    half = MoEConfig(BLOCK_M=128, gemm1=dataclasses.replace(g, HALF_MMA=True),
+                     gemm2=dataclasses.replace(g, BLOCK_N=256, HALF_MMA=True))
+    schemes = bench_module(monkeypatch, "moe").TIMED_SCHEMES
+    assert tuner.valid([half], Scheme.from_quant(schemes["fp8_block"])) == [half]
+    assert tuner.valid([half], Scheme.from_quant(schemes["fp8_tensor"])) == []
+
+
 def test_the_nearest_tuned_entries_seed_the_tuner(monkeypatch):
     moe = bench_module(monkeypatch, "moe")
     tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)

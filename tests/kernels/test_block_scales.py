@@ -54,7 +54,7 @@ def test_each_tile_reads_the_fewest_weight_scales_its_rows_allow(cell, activatio
 
 
 def _half_mma_run(monkeypatch, *, n1: int, n2: int, half: bool, swap: bool = False, tma: bool = False,
-                  activation: Activation = Activation.silu, I: int = 256, M: int = 23):
+                  tail: int = 0, activation: Activation = Activation.silu, I: int = 256, M: int = 23):
     """The block-scaled layer's output with these tiles, one MMA per K step or two promoted halves (HALF_MMA), and
     the kernels' launch keywords."""
     g1, g2 = (RecordingKernel(launch.gemm1_gated_kernel), RecordingKernel(launch.gemm2_weighted_kernel))
@@ -66,24 +66,24 @@ def _half_mma_run(monkeypatch, *, n1: int, n2: int, half: bool, swap: bool = Fal
     def tile(block_n):
         return GemmConfig(BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2, SWAP_AB=swap,
                           TMA=tma, HALF_MMA=half)
-    cfg = MoEConfig(BLOCK_M=32, gemm1=tile(n1), gemm2=tile(n2))
+    cfg = MoEConfig(BLOCK_M=32, gemm1=tile(n1), gemm2=tile(n2), TAIL_M=tail)
     monkeypatch.setattr(launch, "get_config", lambda **kwargs: cfg)
     return layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w), g1.launches[0], g2.launches[0]
 
 
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("n1, n2", [(64, 128), (128, 256), (32, 64)])
-def test_half_mma_gives_the_one_mma_layer(n1, n2, swap, tma, monkeypatch):
+@pytest.mark.parametrize("n1, n2, tail", [(64, 128, 0), (128, 256, 0), (32, 64, 0), (64, 128, 16)])
+def test_half_mma_gives_the_one_mma_layer(n1, n2, tail, swap, tma, monkeypatch):
     """HALF_MMA: the gate and up halves of GEMM1's tiles, and the two column halves of GEMM2's, each promoted into
     their own accumulator, give the float64 reference's layer within the W8A8 bound, and in the interpreter, whose
     sums run in one order, the single-MMA tiles' layer within fp32 rounding (GEMM2 at 256 columns takes a scale per
-    row there). On the GPU narrower MMAs may sum K in another order (a 32-row half of a swapped tile is no wgmma), and
+    row there); with 16-row tail tiles too (swapped, in the same launches). On the GPU narrower MMAs may sum K in another order (a 32-row half of a swapped tile is no wgmma), and
     GEMM2's FP8 input then rounds a few values one step apart (H100: 5e-3 between the two layers at 32-row halves)."""
-    out, ref, l1, l2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=True, swap=swap, tma=tma)
-    one, _, o1, o2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=False, swap=swap, tma=tma)
+    out, ref, l1, l2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=True, swap=swap, tma=tma, tail=tail)
+    one, _, o1, o2 = _half_mma_run(monkeypatch, n1=n1, n2=n2, half=False, swap=swap, tma=tma, tail=tail)
     assert (l1["HALF_MMA"], l2["HALF_MMA"], o1["HALF_MMA"], o2["HALF_MMA"]) == (True, True, False, False)
-    assert (l1["W_BLOCKS"], o2["W_BLOCKS"]) == (2, 1 if n2 <= 128 else 0)
+    assert (l1["W_BLOCKS"], o2["W_BLOCKS"], l1["TAIL_M"], l2["TAIL_M"]) == (2, 1 if n2 <= 128 else 0, tail, tail)
     assert rel_err(out, ref) < TOL
     if INTERPRETED:
         assert rel_err(out, one) < 1e-5

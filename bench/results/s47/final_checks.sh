@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 47's last device call: the GPU kernel tests after HALF_MMA (GEMM2's tile body was refactored for every
-# scheme), then 128-row HALF_MMA tiles capped at 128 registers (two 8-warp programs per SM; TMA weights, so nothing
-# spills: bench/sass_count.py) at DeepSeek-V3 FP8 block-128, GEMMs alone, installed where faster, and the side-by-side
+# scheme), then HALF_MMA tiles capped at 128 registers (two 8-warp programs per SM; TMA weights, so nothing spills:
+# bench/sass_count.py): 128 x 128, and 64 x 256 on 2 stages, at DeepSeek-V3 FP8 block-128, GEMMs alone, installed where faster, and the side-by-side
 # at the block-128 points. On an H200 the probe is the H100's HALF_MMA entry against the H200's own instead.
 # Run from the repo root with OUT set (the device tool's $OUT).
 set -uo pipefail
@@ -11,7 +11,7 @@ export OUT_NAME=${OUT_NAME:-s47c} TESTS_SECONDS=${TESTS_SECONDS:-300} PROBE_SECO
 gemm() {  # gemm BLOCK_N STAGES GROUP_M HALF TMA MAXNREG (8 warps, BLOCK_K 128)
   echo "{\"BLOCK_N\":$1,\"num_warps\":8,\"num_stages\":$2,\"GROUP_M\":$3,\"HALF_MMA\":$4,\"TMA\":$5,\"MAXNREG\":$6,\"BLOCK_K\":128,\"SWAP_AB\":false}"
 }
-tile() { echo "--tile=$1={\"BLOCK_M\":128,\"TAIL_M\":0,\"gemm1\":$2,\"gemm2\":$3}"; }
+tile() { echo "--tile=$1={\"BLOCK_M\":${4:-128},\"TAIL_M\":0,\"gemm1\":$2,\"gemm2\":$3}"; }  # NAME G1 G2 [BLOCK_M]
 points="deepseek-v3:fp8_block:4096 deepseek-v3:fp8_block:16384 deepseek-v3:fp8_block:1024"
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   TMA_ARGS="--gemms --install --rounds 2 --points $points
@@ -22,7 +22,8 @@ else
     $(tile c128tg4 "$(gemm 64 3 4 true true 128)" "$(gemm 128 3 4 true true 128)")
     $(tile c128tg16 "$(gemm 64 3 16 true true 128)" "$(gemm 128 3 16 true true 128)")
     $(tile c128 "$(gemm 64 3 8 true false 128)" "$(gemm 128 3 8 true false 128)")
-    $(tile h256c128t "$(gemm 128 4 4 true false null)" "$(gemm 128 3 4 true true 128)")"
+    $(tile h256c128t "$(gemm 128 4 4 true false null)" "$(gemm 128 3 4 true true 128)")
+    $(tile m64c "$(gemm 128 2 8 true true 128)" "$(gemm 256 2 8 true true 128)" 64)"
 fi
 export TMA_ARGS
 bash bench/gpu_steps.sh tests tma_probe

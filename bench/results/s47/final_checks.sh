@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 47's last device call: the GPU kernel tests after HALF_MMA (GEMM2's tile body was refactored for every
 # scheme), then HALF_MMA tiles capped at 128 registers (two 8-warp programs per SM; TMA weights, so nothing spills:
-# bench/sass_count.py): 128 x 128, and 64 x 256 on 2 stages, at DeepSeek-V3 FP8 block-128, GEMMs alone, installed where faster, and the side-by-side
-# at the block-128 points. On an H200 the probe is the H100's HALF_MMA entry against the H200's own instead.
+# bench/sass_count.py): 128 x 128, and 64 x 256 on 2 stages, at DeepSeek-V3 FP8 block-128, GEMMs alone, installed
+# where faster, and the side-by-side at the block-128 points. On an H200 the probe is the H100's HALF_MMA entry against the H200's own instead.
 # Run from the repo root with OUT set (the device tool's $OUT).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --target /tmp/site carry/whl/*.whl 2>/dev/null

@@ -964,13 +964,6 @@ def gemm2_tile(
             _real_rows(cols, col_ok), _real_rows(cols + HALF_N, col_ok2), col_ok, col_ok2, first, first + HALF_N, K,
             stride_wn, stride_wsn, A_SCALE, W_SCALE, BLOCK_M, HALF_N, BLOCK_K, SWAP_AB, STAGES, w_desc,
             e.to(tl.int32), e.to(tl.int32), first, first + HALF_N, W_TMA, A_SORTED, ROW_UNIT)
-        let_next_kernel_launch(PDL)
-        _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
-                        stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe,
-                        stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
-        _gemm2_epilogue(acc2, cols + HALF_N, col_ok2, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr,
-                        out_ptr, stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr,
-                        stride_lbe, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
     else:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -988,10 +981,14 @@ def gemm2_tile(
                           stride_wn, stride_wsn, k0, ks, k_ok, K, A_SCALE, W_SCALE, UPCAST_W, W_FP4, False, BLOCK_N,
                           BLOCK_K, SWAP_AB, w_desc, e.to(tl.int32), pid_n * BLOCK_N, W_TMA, s_desc, pid_n * BLOCK_N,
                           W_BLOCKS)
-        let_next_kernel_launch(PDL)
-        _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
-                        stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe,
-                        stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
+    let_next_kernel_launch(PDL)
+    _gemm2_epilogue(acc, cols, col_ok, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr, out_ptr,
+                    stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr, stride_lbe, stride_lbn,
+                    lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
+    if HALF_MMA:
+        _gemm2_epilogue(acc2, cols + HALF_N, col_ok2, slot, row_ok, e, a_scale_ptr, ws_e, bias_ptr, topk_weights_ptr,
+                        out_ptr, stride_wsn, stride_be, stride_om, lora_shrink_ptr, stride_lsm, lora_b_ptr,
+                        stride_lbe, stride_lbn, lora_rank, A_SCALE, W_SCALE, HAS_BIAS, HAS_LORA, LORA_R, SWAP_AB)
 
 
 @triton.jit

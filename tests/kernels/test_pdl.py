@@ -47,11 +47,26 @@ def test_kernel_waits_before_anything_else(name):
     assert ast.unparse(_body(KERNELS[name])[0]) in ("dependent_launch_entry(PDL)", "wait_for_previous_kernel(PDL)")
 
 
+def _ends_in_k_loop(node) -> bool:
+    """A K loop: a for loop, a call of the two-halves loop (fused_moe._k_loop_halves), or a branch on the config
+    whose every arm ends in one."""
+    if isinstance(node, ast.If):
+        return bool(node.orelse) and _ends_in_k_loop(node.body[-1]) and _ends_in_k_loop(node.orelse[-1])
+    return isinstance(node, ast.For) or (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                                         and ast.unparse(node.value.func) == "_k_loop_halves")
+
+
 @pytest.mark.parametrize("name", sorted(GEMM_TILES))
 def test_a_gemm_tile_frees_the_next_launch_right_after_its_k_loop(name):
     body = _body(GEMM_TILES[name])
     lets = [i for i, node in enumerate(body) if ast.unparse(node) == "let_next_kernel_launch(PDL)"]
-    assert len(lets) == 1 and isinstance(body[lets[0] - 1], ast.For), name
+    assert len(lets) == 1 and _ends_in_k_loop(body[lets[0] - 1]), name
+    assert "let_next_kernel_launch" not in ast.unparse(_k_loop_halves_source()), "the halves' loop frees nothing"
+
+
+def _k_loop_halves_source() -> ast.FunctionDef:
+    tree = ast.parse(inspect.getsource(fused_moe))
+    return next(fn for fn in tree.body if isinstance(fn, ast.FunctionDef) and fn.name == "_k_loop_halves")
 
 
 def test_off_the_gpu_kernels_launch_plainly():

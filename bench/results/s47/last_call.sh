@@ -10,7 +10,7 @@ export OUT_NAME=${OUT_NAME:-s47d} TESTS_SECONDS=${TESTS_SECONDS:-240} PROBE_SECO
 s46_g1='{"BLOCK_N":64,"BLOCK_K":128,"GROUP_M":32,"num_warps":4,"num_stages":3,"TMA":true,"MAXNREG":168,"HALF_MMA":false}'
 s46_g2='{"BLOCK_N":128,"BLOCK_K":128,"GROUP_M":16,"num_warps":4,"num_stages":3,"TMA":true,"MAXNREG":168,"HALF_MMA":false}'
 export TMA_ARGS="--gemms --rounds 3 --points deepseek-v3:fp8_block:4096 --tile=s46={\"BLOCK_M\":64,\"gemm1\":$s46_g1,\"gemm2\":$s46_g2}"
-export HARNESS_ARGS="--rounds 2 --baseline bench/results/s47/b_installed/vllm_triton/results.json" HARNESS_SECONDS=230
+export HARNESS_ARGS=${HARNESS_ARGS:-"--rounds 2 --baseline bench/results/s47/b_installed/vllm_triton/results.json"} HARNESS_SECONDS=${HARNESS_SECONDS:-230}
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   # on an H200 instead: the H100's HALF_MMA entries against the H200's own (GEMMs alone, installed where faster),
   # then the side-by-side at the block-128 points

@@ -44,8 +44,8 @@ Scale codes (tl.constexpr):
 Per-tensor/row/channel scales factor out of the K sum and are applied once in the epilogue;
 block and group scales change along K, so each K step's product is promoted (scaled into the accumulator) by itself,
 one MMA for the tile or, with HALF_MMA, one per half of its weight rows (`_k_loop_halves`: H100, DeepSeek-V3 FP8
-block-128 M=16384, 128 x 256 tiles that way ran GEMM1 1.23x and GEMM2 1.05x faster than the best single-MMA tiles,
-64 x 128; bench/results/s47). W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
+block-128 M=16384, 128 x 256 tiles that way ran GEMM1 1.23x and GEMM2 1.05x faster than the tuned single-MMA tiles,
+64 rows deep; bench/results/s47). W8A16 (A_SCALE 0 with quantised weights) upcasts the weight
 tile to the activation dtype in the loop. Dequantisation always happens per K step, in registers;
 whole weights are never expanded in memory. Hopper has no MX (or mixed-input) MMA, so MX is software:
   - MXFP4: the packed tile, in fragment order, is unpacked and scaled (exactly: the scales are powers of two)

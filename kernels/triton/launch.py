@@ -193,14 +193,11 @@ def _weight_blocks(weights: MoEWeights, g: GemmConfig, *, gemm: int, interleaved
     return 2 if weights.intermediate % g.BLOCK_N == 0 else 0
 
 
-def _check_half_mma(weights: MoEWeights, g: GemmConfig, *, gemm: int, interleaved: bool) -> int:
-    """The launch's W_BLOCKS (`_weight_blocks`), once a HALF_MMA config is known to fit these weights: each half of its
-    tiles in one block of 128 rows (GEMM1: the gate rows and the up rows of the halves layout, BLOCK_N dividing I;
-    GEMM2: half of BLOCK_N columns), else KernelInputError."""
-    blocks = _weight_blocks(weights, g, gemm=gemm, interleaved=interleaved)
-    if not g.HALF_MMA:
-        return blocks
-    if gemm == 1 and blocks != 2:
+def _gemm1_weight_blocks(weights: MoEWeights, g: GemmConfig, *, interleaved: bool) -> int:
+    """GEMM1's W_BLOCKS (`_weight_blocks`); a HALF_MMA config needs 2 (the gate rows and the up rows of each tile in
+    one block of 128 rows each), else KernelInputError."""
+    blocks = _weight_blocks(weights, g, gemm=1, interleaved=interleaved)
+    if g.HALF_MMA and blocks != 2:
         raise KernelInputError(f"gemm1: HALF_MMA needs the gate and up rows of each tile in one block of 128 rows "
                                f"each (gated weights as halves, BLOCK_N={g.BLOCK_N} at most {QUANT_BLOCK} and "
                                f"dividing I={weights.intermediate}); remove HALF_MMA from gemm1 or change BLOCK_N")
@@ -439,7 +436,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             **pdl_kwargs(out.device), **ptx_math(out.device), EIGHT_BIT_OUT=weights.scheme.quantizes_activations,
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                                   halves=weights.gated and not interleaved),
-            W_BLOCKS=_check_half_mma(weights, g, gemm=1, interleaved=interleaved), SORTED_OUT=cfg.SORTED_INTER,
+            W_BLOCKS=_gemm1_weight_blocks(weights, g, interleaved=interleaved), SORTED_OUT=cfg.SORTED_INTER,
             HALF_MMA=g.HALF_MMA)
     return amax
 
@@ -509,5 +506,5 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
             HAS_BIAS=weights.has_bias, **_row_tiles(align), **flags, **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N // (2 if g.HALF_MMA else 1), halves=False),
-            W_BLOCKS=_check_half_mma(weights, g, gemm=2, interleaved=False), **_sorted_input(inter_q, cfg),
+            W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False), **_sorted_input(inter_q, cfg),
             HALF_MMA=g.HALF_MMA)

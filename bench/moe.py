@@ -414,8 +414,8 @@ class Bench:
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
     # HALF_MMA moves only where check_config takes it (block-scaled weights): `valid`
     FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG", "HALF_MMA")
-    # swept after both GEMMs' fields (`chain_moves`, `tail_moves`, `sorted_moves`)
-    MOE_FIELDS = ("CHAIN", "TAIL_M", "SORTED_INTER")
+    # swept after both GEMMs' fields (`chain_moves`, `tail_moves`, `sorted_moves`, `gemm2_rows_moves`)
+    MOE_FIELDS = ("CHAIN", "TAIL_M", "SORTED_INTER", "GEMM2_BLOCK_M")
     GROUP_MS = (1, 8, 16, 32, 64)
     WARPS = (4, 8)
     STAGES = (2, 3, 4, 5)
@@ -439,8 +439,8 @@ class Bench:
         """Per (model, scheme, M): seed with the config in use, the heuristic, BLOCK_M x{1/2, 2}, GEMV tiles (at most
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
-        field's best before the next, then CHAIN, TAIL_M and SORTED_INTER (`chain_moves`, `tail_moves`,
-        `sorted_moves`; --fields: only those, from the config in use; --seeds-only: none). --point-seconds ends the
+        field's best before the next, then CHAIN, TAIL_M, SORTED_INTER and GEMM2_BLOCK_M (`chain_moves`, `tail_moves`,
+        `sorted_moves`, `gemm2_rows_moves`; --fields: only those, from the config in use; --seeds-only: none). --point-seconds ends the
         sweep that long after the point began (its seeds are all timed), keeping the best found: a device call's time
         cap would otherwise lose the point. A
         config replaces the one in use only if its output matches the one in use within the scheme's tolerance and it
@@ -560,8 +560,8 @@ class Bench:
         return MoEConfig(BLOCK_M=1, gemm1=g, gemm2=g)
 
     def sweep(self, run, best, M: int, model: Model, scheme: Scheme):
-        """One pass over the fields of gemm1, then of gemm2, then CHAIN, TAIL_M and SORTED_INTER; `best` is (µs,
-        MoEConfig)."""
+        """One pass over the fields of gemm1, then of gemm2, then CHAIN, TAIL_M, SORTED_INTER and GEMM2_BLOCK_M; `best`
+        is (µs, MoEConfig)."""
         m_blocks = min(model.E, M * model.k) + M * model.k // best[1].BLOCK_M  # upper bound of the row blocks
         fields = self.args.fields or self.FIELDS + self.MOE_FIELDS
         for which in ("gemm1", "gemm2"):
@@ -574,7 +574,18 @@ class Bench:
             best = self.faster(run, best, self.tail_moves(best[1], M, model), scheme)
         if "SORTED_INTER" in fields:
             best = self.faster(run, best, self.sorted_moves(best[1], M, model), scheme)
+        if "GEMM2_BLOCK_M" in fields:
+            best = self.faster(run, best, self.gemm2_rows_moves(best[1], M, model), scheme)
         return best
+
+    @staticmethod
+    def gemm2_rows_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:
+        """cfg with GEMM2 on each other row tile (MoEConfig.GEMM2_BLOCK_M: BLOCK_M, or a half or a quarter of it, at
+        least 16 rows), without tail tiles (which those refuse), where the batch is sorted into runs and unchained."""
+        if cfg.CHAIN or cfg.BLOCK_M < 32 or use_naive_assignment(M * model.k, model.E):
+            return []
+        rows = [r for r in (0, cfg.BLOCK_M // 2, cfg.BLOCK_M // 4) if r == 0 or r >= 16]
+        return [replace(cfg, GEMM2_BLOCK_M=r, TAIL_M=0 if r else cfg.TAIL_M) for r in rows if r != cfg.GEMM2_BLOCK_M]
 
     @staticmethod
     def sorted_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:

@@ -5,10 +5,11 @@ Files live in `kernels/configs/` and are named
 (N is the per-expert intermediate size, as in vLLM). Each maps a token count M to
     {"BLOCK_M": .., "gemm1": {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"[, "SWAP_AB", "TMA",
      "MAXNREG", "HALF_MMA"]},
-     "gemm2": {...}}
+     "gemm2": {...}[, "CHAIN", "TAIL_M", "SORTED_INTER", "GEMM2_BLOCK_M"]}
 and the entry with the nearest M is used (GEMV rows only up to one row per expert, 1/8 for MXFP4: `_entries_for`).
 BLOCK_M is shared because it sets the alignment padding both GEMMs read (1: one slot per block,
-multiplied on CUDA cores, for decode); everything else is tuned per GEMM (their K and N differ).
+multiplied on CUDA cores, for decode; GEMM2 may split its blocks, GEMM2_BLOCK_M); everything else is tuned per GEMM
+(their K and N differ).
 """
 
 from __future__ import annotations
@@ -61,22 +62,34 @@ class MoEConfig:
     # by slot, so GEMM2 reads each A tile as one box of rows, by TMA with gemm2.TMA (tail tiles by address), instead
     # of gathering its rows by slot: for batches that take the sorted assignment (not the naive one), unchained.
     SORTED_INTER: bool = False
+    # GEMM2's rows per tile (0: BLOCK_M), a power of two below BLOCK_M: GEMM2 then runs each BLOCK_M block as
+    # BLOCK_M / GEMM2_BLOCK_M tiles, those holding only padding exit at once. Both GEMMs read one alignment, and
+    # their best row tiles differ where their K differ (DeepSeek-V3 FP8 block-128 M=4096 on the H100: GEMM1 7-10%
+    # faster on 128-row tiles, GEMM2 7-11% faster on 64-row ones, bench/results/s47 c.). For batches that take the
+    # sorted assignment, without tail tiles, unchained.
+    GEMM2_BLOCK_M: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         return cls(BLOCK_M=d["BLOCK_M"], gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
-                   CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0), SORTED_INTER=d.get("SORTED_INTER", False))
+                   CHAIN=d.get("CHAIN", False), TAIL_M=d.get("TAIL_M", 0), SORTED_INTER=d.get("SORTED_INTER", False),
+                   GEMM2_BLOCK_M=d.get("GEMM2_BLOCK_M", 0))
+
+    @property
+    def gemm2_block_m(self) -> int:
+        """The rows of GEMM2's tiles."""
+        return self.GEMM2_BLOCK_M or self.BLOCK_M
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, its HALF_MMA, CHAIN, TAIL_M and
-        SORTED_INTER only where set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, its HALF_MMA, CHAIN, TAIL_M,
+        SORTED_INTER and GEMM2_BLOCK_M only where set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
             if not d[gemm]["HALF_MMA"]:
                 del d[gemm]["HALF_MMA"]
-        for optional in ("CHAIN", "TAIL_M", "SORTED_INTER"):
+        for optional in ("CHAIN", "TAIL_M", "SORTED_INTER", "GEMM2_BLOCK_M"):
             if not d[optional]:
                 del d[optional]
         return d
@@ -194,12 +207,13 @@ def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_ro
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
     up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`), and chained entries (CHAIN) unless
     the batch takes the naive assignment (`naive`), the only one they run, and sorted intermediates (SORTED_INTER)
-    only if it does not (the naive assignment has no sorted order). Nearest M alone sent Mixtral-8x7B at M=16
+    and GEMM2 row tiles (GEMM2_BLOCK_M) only if it does not (the naive assignment has no sorted order, one slot per
+    block). Nearest M alone sent Mixtral-8x7B at M=16
     (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33
     (bench/results/s27)."""
     return {m: cfg for m, cfg in table.items()
             if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)
-            and not (naive and cfg.SORTED_INTER)}
+            and not (naive and (cfg.SORTED_INTER or cfg.GEMM2_BLOCK_M))}
 
 
 def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:
@@ -217,10 +231,12 @@ def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens:
 
 def check_batched_config(cfg: MoEConfig, scheme: Scheme) -> None:
     """`check_config`, plus: GEMM1 folds a group amax per tile, so its tiles must not straddle a 1x128 group;
-    the batched kernels are tested with MMA tiles only (no GEMV rows)."""
+    the batched kernels are tested with MMA tiles only (no GEMV rows), one row tile for both GEMMs."""
     check_config(cfg, scheme)
     if cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M}: the batched kernels take BLOCK_M >= 16")
+    if cfg.GEMM2_BLOCK_M:
+        raise ValueError("GEMM2_BLOCK_M: the batched kernels run both GEMMs on BLOCK_M rows; remove GEMM2_BLOCK_M")
     if scheme.act_granularity == Granularity.group128 and 128 % cfg.gemm1.BLOCK_N:
         raise ValueError(f"gemm1: BLOCK_N={cfg.gemm1.BLOCK_N} must divide 128 for group-quantised intermediates")
 
@@ -253,6 +269,8 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
         _check_chain(cfg, scheme)
     if cfg.SORTED_INTER:
         _check_sorted_intermediate(cfg, scheme)
+    if cfg.GEMM2_BLOCK_M:
+        _check_gemm2_rows(cfg)
 
 
 def _check_half_mma(name: str, g: GemmConfig, cfg: MoEConfig, scheme: Scheme) -> None:
@@ -266,6 +284,18 @@ def _check_half_mma(name: str, g: GemmConfig, cfg: MoEConfig, scheme: Scheme) ->
     if cfg.BLOCK_M == 1 or cfg.CHAIN or not 16 <= half <= 128:
         raise ValueError(f"{name}: HALF_MMA takes MMA tiles (BLOCK_M >= 16, not chained) whose halves hold 16 to 128 "
                          f"weight rows (here {half}: BLOCK_N={g.BLOCK_N}); remove HALF_MMA or change BLOCK_N")
+
+
+def _check_gemm2_rows(cfg: MoEConfig) -> None:
+    """What GEMM2's own row tiles (MoEConfig.GEMM2_BLOCK_M) need: whole tl.dot tiles that split the BLOCK_M blocks of
+    the sorted assignment evenly, and no tail tiles (whose table lists BLOCK_M tiles)."""
+    g = cfg.GEMM2_BLOCK_M
+    if not (16 <= g < cfg.BLOCK_M and g & (g - 1) == 0):
+        raise ValueError(f"GEMM2_BLOCK_M={g} must be a power of two from 16 (the smallest tl.dot tile) below "
+                         f"BLOCK_M={cfg.BLOCK_M}, or 0 for GEMM2 tiles of BLOCK_M rows")
+    if cfg.TAIL_M or cfg.CHAIN:
+        raise ValueError(f"GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, and this config has "
+                         f"{'tail tiles (TAIL_M)' if cfg.TAIL_M else 'a chained launch (CHAIN)'}; remove one of the two")
 
 
 def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:

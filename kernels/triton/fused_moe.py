@@ -121,14 +121,15 @@ def _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M: tl.constexpr, TAIL_M: tl.
 
 @triton.jit
 def _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M: tl.constexpr,
-                NAIVE: tl.constexpr, ROW_UNIT: tl.constexpr = 0):
+                NAIVE: tl.constexpr, ROW_UNIT: tl.constexpr = 0, SPLIT: tl.constexpr = 1):
     """(slot of each row of the BLOCK_M rows from block pid_m, which rows are real (not padding), the block's expert).
-    ROW_UNIT: the rows of a block (0: BLOCK_M; with tail tiles the tail's rows, align.py).
+    ROW_UNIT: the rows of a block (0: BLOCK_M; with tail tiles the tail's rows, align.py). SPLIT: tiles per entry of
+    expert_ids (GEMM2's own row tiles, MoEConfig.GEMM2_BLOCK_M: the alignment's blocks are SPLIT * BLOCK_M rows).
 
     NAIVE (align.py): block pid_m is slot pid_m alone, in its row 0, and expert_ids_ptr the flattened top-k ids; an
     id outside [0, E) (-1: an expert of another rank) leaves the block no real row and reads expert 0's weights.
     """
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    e = tl.load(expert_ids_ptr + pid_m // SPLIT).to(tl.int64)
     if NAIVE:
         r = tl.arange(0, BLOCK_M)
         routed = (e >= 0) & (e < num_experts)
@@ -902,12 +903,16 @@ def gemm2_weighted_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
         W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
-        a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False):
+        a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile."""
+    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile. SPLIT: tiles per block of the alignment
+    (MoEConfig.GEMM2_BLOCK_M, no tail tiles), BLOCK_M rows each; a tile of padding rows alone exits (a run's padding
+    follows its rows, so its first row tells)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
+    if SPLIT > 1:
+        past = past | (tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_slots)
     if past:
         return
     if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
@@ -926,7 +931,7 @@ def gemm2_weighted_kernel(
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
                lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA,
-               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED, HALF_MMA)
+               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED, HALF_MMA, SPLIT)
 
 
 @triton.jit
@@ -941,7 +946,7 @@ def gemm2_tile(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
         w_desc, W_TMA: tl.constexpr, s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, a_desc=None,
-        A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False):
+        A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     """out[slot, n] = topk_weight[slot] * (inter[slot] . w[e, n] + bias[e, n] + LoRA delta) for n < N = H.
 
     W_TMA 2: the weight tiles are TMA copies of w_desc's [1, BLOCK_N, BLOCK_K] boxes (gemm1_tile). STAGES, pid_m,
@@ -949,9 +954,9 @@ def gemm2_tile(
     aligned-row order (gemm1_tile's SORTED_OUT), the tile's A then one box of rows read by address (1) or as a TMA
     copy of a_desc's [BLOCK_M, BLOCK_K] box (2); its padding rows hold zeros, so the box needs no row mask.
     HALF_MMA (block scaling; _k_loop_halves): the tile's two column halves, each in one block of 128 rows, are two
-    MMAs per K step, each promoted into its own accumulator."""
+    MMAs per K step, each promoted into its own accumulator. SPLIT: as in _block_rows."""
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
-                                  ROW_UNIT)
+                                  ROW_UNIT, SPLIT)
     w_e = w_ptr + e * stride_we
     ws_e = w_scale_ptr + e * stride_wse
     if HALF_MMA:

@@ -210,6 +210,20 @@ def _row_tiles(align: Alignment) -> dict:
     return dict(BLOCK_M=align.block_m, TAIL_M=align.tail_m, tiles_ptr=align.tiles)
 
 
+def _gemm2_row_tiles(align: Alignment, cfg: MoEConfig) -> dict:
+    """GEMM2's row tiles: the alignment's (`_row_tiles`), or with cfg.GEMM2_BLOCK_M each block split into SPLIT
+    tiles of that many rows; num_m_blocks counts them."""
+    if not cfg.GEMM2_BLOCK_M:
+        return dict(**_row_tiles(align), num_m_blocks=align.num_tiles)
+    if align.naive:
+        raise KernelInputError(f"gemm2: GEMM2_BLOCK_M splits the blocks of the sorted assignment, and this batch takes "
+                               f"the naive one (one slot per block, 4 * slots <= experts): give it a config without "
+                               f"GEMM2_BLOCK_M")
+    split = align.block_m // cfg.GEMM2_BLOCK_M
+    return dict(BLOCK_M=cfg.GEMM2_BLOCK_M, TAIL_M=0, tiles_ptr=None, num_m_blocks=align.num_tiles * split,
+                SPLIT=split)
+
+
 def _launch_kwargs(g: GemmConfig) -> dict:
     return dict(BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, SWAP_AB=g.SWAP_AB, num_warps=g.num_warps,
                 num_stages=g.num_stages, **({"maxnreg": g.MAXNREG} if g.MAXNREG is not None else {}))
@@ -454,12 +468,12 @@ def _check_intermediate_rows(inter: torch.Tensor, align: Alignment, cfg: MoEConf
 
 def _sorted_input(inter_q: torch.Tensor, cfg: MoEConfig) -> dict:
     """A_SORTED and a_desc of a GEMM2 launch (fused_moe.gemm2_tile): with SORTED_INTER its A tiles are boxes of the
-    intermediate's rows, TMA copies of BLOCK_M rows with gemm2.TMA (tail tiles by address)."""
+    intermediate's rows, TMA copies of GEMM2's tile rows with gemm2.TMA (tail tiles by address)."""
     if not cfg.SORTED_INTER:
         return dict(A_SORTED=0, a_desc=None)
     if not cfg.gemm2.TMA:
         return dict(A_SORTED=1, a_desc=None)
-    box = [cfg.BLOCK_M, cfg.gemm2.BLOCK_K]
+    box = [cfg.gemm2_block_m, cfg.gemm2.BLOCK_K]
     problem = _tma_problem(inter_q, box)
     if problem:
         raise KernelInputError(f"gemm2: the config asks for TMA copies of the sorted intermediate, which cannot read "
@@ -496,14 +510,17 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     g = cfg.gemm2
     _check_intermediate_rows(inter_q, align, cfg, num_slots=out.shape[0], gemm=2)
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
+    rows = _gemm2_row_tiles(align, cfg)
     with _register_cap_honoured(g, gemm=2):
-        gemm2_weighted_kernel[(align.num_tiles * triton.cdiv(H, g.BLOCK_N),)](
+        gemm2_weighted_kernel[(rows["num_m_blocks"] * triton.cdiv(H, g.BLOCK_N),)](
             inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
             weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
-            *align.kernel_args(), out.shape[0], weights.num_experts, align.num_tiles, H, I,
-            inter_q.stride(0), inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
-            weights.w2.stride(0), weights.w2.stride(1), s_e, s_n, bias.stride(0), out.stride(0),
-            HAS_BIAS=weights.has_bias, **_row_tiles(align), **flags, **_launch_kwargs(g),
+            *align.kernel_args(), out.shape[0], weights.num_experts, N=H, K=I,
+            stride_am=inter_q.stride(0),
+            stride_asm=inter_scale.stride(0) if inter_scale is not None and inter_scale.dim() == 2 else 1,
+            stride_we=weights.w2.stride(0), stride_wn=weights.w2.stride(1), stride_wse=s_e, stride_wsn=s_n,
+            stride_be=bias.stride(0), stride_om=out.stride(0), HAS_BIAS=weights.has_bias, **rows, **flags,
+            **_launch_kwargs(g),
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N // (2 if g.HALF_MMA else 1), halves=False),
             W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False), **_sorted_input(inter_q, cfg),

@@ -206,6 +206,24 @@ def test_the_sweep_flips_the_intermediates_layout_where_runs_are_sorted(tuner):
     assert "SORTED_INTER" in moe.MOE_FIELDS
 
 
+def test_the_sweep_offers_gemm2_its_own_row_tiles_where_runs_are_sorted(tuner):
+    """GEMM2_BLOCK_M: a half or a quarter of BLOCK_M (at least 16 rows), without the tails those refuse, or back to
+    BLOCK_M; nothing under the naive assignment, for 16-row blocks or for a chained config."""
+    moe = type(tuner)
+    model = types.SimpleNamespace(E=128, k=8)
+    g = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
+    cfg = MoEConfig(BLOCK_M=128, gemm1=g, gemm2=g, TAIL_M=32)
+    assert tuner.gemm2_rows_moves(cfg, 4096, model) == [
+        dataclasses.replace(cfg, TAIL_M=0, GEMM2_BLOCK_M=r) for r in (64, 32)]
+    split = dataclasses.replace(cfg, TAIL_M=0, GEMM2_BLOCK_M=64)
+    assert tuner.gemm2_rows_moves(split, 4096, model) == [dataclasses.replace(split, GEMM2_BLOCK_M=r) for r in (0, 32)]
+    assert [c.GEMM2_BLOCK_M for c in tuner.gemm2_rows_moves(dataclasses.replace(cfg, BLOCK_M=32), 4096, model)] == [16]
+    assert tuner.gemm2_rows_moves(dataclasses.replace(cfg, BLOCK_M=16, TAIL_M=0), 4096, model) == []
+    assert tuner.gemm2_rows_moves(cfg, 4, model) == []  # 32 slots for 128 experts: the naive assignment
+    assert tuner.gemm2_rows_moves(dataclasses.replace(cfg, CHAIN=True), 4096, model) == []
+    assert "GEMM2_BLOCK_M" in moe.MOE_FIELDS
+
+
 def test_the_sweep_stops_at_the_points_time_limit_keeping_the_best_so_far(tuner, monkeypatch):
     """--point-seconds: a device call's cap kills the tuner mid-point and loses it, so the sweep stops first. Each
     config timed here takes 10 s of a fake clock and the limit falls after the second: the third and every later

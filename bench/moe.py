@@ -581,11 +581,13 @@ class Bench:
     @staticmethod
     def gemm2_rows_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:
         """cfg with GEMM2 on each other row tile (MoEConfig.GEMM2_BLOCK_M: BLOCK_M, or a half or a quarter of it, at
-        least 16 rows), without tail tiles (which those refuse), where the batch is sorted into runs and unchained."""
+        least 16 rows), without tail tiles longer than those (check_config), where the batch is sorted into runs and
+        unchained."""
         if cfg.CHAIN or cfg.BLOCK_M < 32 or use_naive_assignment(M * model.k, model.E):
             return []
         rows = [r for r in (0, cfg.BLOCK_M // 2, cfg.BLOCK_M // 4) if r == 0 or r >= 16]
-        return [replace(cfg, GEMM2_BLOCK_M=r, TAIL_M=0 if r else cfg.TAIL_M) for r in rows if r != cfg.GEMM2_BLOCK_M]
+        return [replace(cfg, GEMM2_BLOCK_M=r, TAIL_M=cfg.TAIL_M if cfg.TAIL_M <= r or not r else 0)
+                for r in rows if r != cfg.GEMM2_BLOCK_M]
 
     @staticmethod
     def sorted_moves(cfg: MoEConfig, M: int, model: Model) -> list[MoEConfig]:

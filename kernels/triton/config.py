@@ -62,11 +62,11 @@ class MoEConfig:
     # by slot, so GEMM2 reads each A tile as one box of rows, by TMA with gemm2.TMA (tail tiles by address), instead
     # of gathering its rows by slot: for batches that take the sorted assignment (not the naive one), unchained.
     SORTED_INTER: bool = False
-    # GEMM2's rows per tile (0: BLOCK_M), a power of two below BLOCK_M: GEMM2 then runs each BLOCK_M block as
-    # BLOCK_M / GEMM2_BLOCK_M tiles, those holding only padding exit at once. Both GEMMs read one alignment, and
-    # their best row tiles differ where their K differ (DeepSeek-V3 FP8 block-128 M=4096 on the H100: GEMM1 7-10%
-    # faster on 128-row tiles, GEMM2 7-11% faster on 64-row ones, bench/results/s47 c.). For batches that take the
-    # sorted assignment, without tail tiles, unchained.
+    # GEMM2's rows per tile (0: BLOCK_M), a power of two below BLOCK_M and not below TAIL_M: GEMM2 then runs each
+    # BLOCK_M tile as BLOCK_M / GEMM2_BLOCK_M tiles (a tail tile whole), those holding only padding exit at once. Both
+    # GEMMs read one alignment, and their best row tiles differ where their K differ (DeepSeek-V3 FP8 block-128
+    # M=4096 on the H100: GEMM1 7-10% faster on 128-row tiles, GEMM2 7-11% faster on 64-row ones,
+    # bench/results/s47 c.). For batches that take the sorted assignment, unchained.
     GEMM2_BLOCK_M: int = 0
 
     @classmethod
@@ -287,15 +287,18 @@ def _check_half_mma(name: str, g: GemmConfig, cfg: MoEConfig, scheme: Scheme) ->
 
 
 def _check_gemm2_rows(cfg: MoEConfig) -> None:
-    """What GEMM2's own row tiles (MoEConfig.GEMM2_BLOCK_M) need: whole tl.dot tiles that split the BLOCK_M blocks of
-    the sorted assignment evenly, and no tail tiles (whose table lists BLOCK_M tiles)."""
+    """What GEMM2's own row tiles (MoEConfig.GEMM2_BLOCK_M) need: whole tl.dot tiles that split the BLOCK_M tiles of
+    the sorted assignment evenly, each part whole blocks of the tail tiles' rows (the alignment's unit, align.py)."""
     g = cfg.GEMM2_BLOCK_M
     if not (16 <= g < cfg.BLOCK_M and g & (g - 1) == 0):
         raise ValueError(f"GEMM2_BLOCK_M={g} must be a power of two from 16 (the smallest tl.dot tile) below "
                          f"BLOCK_M={cfg.BLOCK_M}, or 0 for GEMM2 tiles of BLOCK_M rows")
-    if cfg.TAIL_M or cfg.CHAIN:
-        raise ValueError(f"GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, and this config has "
-                         f"{'tail tiles (TAIL_M)' if cfg.TAIL_M else 'a chained launch (CHAIN)'}; remove one of the two")
+    if cfg.TAIL_M > g:
+        raise ValueError(f"GEMM2_BLOCK_M={g}: GEMM2's tiles are whole blocks of the alignment, TAIL_M={cfg.TAIL_M} rows "
+                         f"each; make GEMM2_BLOCK_M at least TAIL_M")
+    if cfg.CHAIN:
+        raise ValueError("GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, which chained launches do "
+                         "not use; remove GEMM2_BLOCK_M or CHAIN")
 
 
 def _check_chain(cfg: MoEConfig, scheme: Scheme) -> None:

@@ -905,14 +905,24 @@ def gemm2_weighted_kernel(
         W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
         a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile. SPLIT: tiles per block of the alignment
-    (MoEConfig.GEMM2_BLOCK_M, no tail tiles), BLOCK_M rows each; a tile of padding rows alone exits (a run's padding
-    follows its rows, so its first row tells)."""
+    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile. SPLIT (MoEConfig.GEMM2_BLOCK_M): each
+    row tile of the alignment (SPLIT * BLOCK_M rows; a tail tile, at most BLOCK_M rows, runs whole in its first part)
+    is SPLIT tiles of BLOCK_M rows; a tile of padding rows alone exits (a run's padding follows its rows, so its first
+    row tells)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
-    block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
+    block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m // SPLIT, BLOCK_M * SPLIT, TAIL_M, NAIVE)
+    # the block gemm2_tile starts at, in units of ROW_UNIT rows, and which expert_ids entry it reads (_block_rows)
+    ROW_UNIT: tl.constexpr = TAIL_M if TAIL_M else BLOCK_M
+    EXPERT_SPLIT: tl.constexpr = 1 if TAIL_M else SPLIT
     if SPLIT > 1:
-        past = past | (tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_slots)
+        part = pid_m % SPLIT
+        if TAIL_M:
+            past = past | (tail & (part > 0))
+            block = tl.where(tail, block, block + part * (BLOCK_M // TAIL_M))
+        else:
+            block = pid_m
+        past = past | (tl.load(sorted_ids_ptr + block * ROW_UNIT, mask=past == 0, other=num_slots) >= num_slots)
     if past:
         return
     if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
@@ -931,7 +941,7 @@ def gemm2_weighted_kernel(
                stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
                W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
                lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc, W_TMA,
-               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED, HALF_MMA, SPLIT)
+               s_desc, W_BLOCKS, TAIL_M, a_desc, A_SORTED, HALF_MMA, EXPERT_SPLIT)
 
 
 @triton.jit

@@ -211,8 +211,8 @@ def _row_tiles(align: Alignment) -> dict:
 
 
 def _gemm2_row_tiles(align: Alignment, cfg: MoEConfig) -> dict:
-    """GEMM2's row tiles: the alignment's (`_row_tiles`), or with cfg.GEMM2_BLOCK_M each block split into SPLIT
-    tiles of that many rows; num_m_blocks counts them."""
+    """GEMM2's row tiles: the alignment's (`_row_tiles`), or with cfg.GEMM2_BLOCK_M each of its BLOCK_M tiles split
+    into SPLIT tiles of that many rows (a tail tile runs whole); num_m_blocks counts them."""
     if not cfg.GEMM2_BLOCK_M:
         return dict(**_row_tiles(align), num_m_blocks=align.num_tiles)
     if align.naive:
@@ -220,8 +220,7 @@ def _gemm2_row_tiles(align: Alignment, cfg: MoEConfig) -> dict:
                                f"the naive one (one slot per block, 4 * slots <= experts): give it a config without "
                                f"GEMM2_BLOCK_M")
     split = align.block_m // cfg.GEMM2_BLOCK_M
-    return dict(BLOCK_M=cfg.GEMM2_BLOCK_M, TAIL_M=0, tiles_ptr=None, num_m_blocks=align.num_tiles * split,
-                SPLIT=split)
+    return _row_tiles(align) | dict(BLOCK_M=cfg.GEMM2_BLOCK_M, num_m_blocks=align.num_tiles * split, SPLIT=split)
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:

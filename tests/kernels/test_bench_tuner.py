@@ -207,15 +207,15 @@ def test_the_sweep_flips_the_intermediates_layout_where_runs_are_sorted(tuner):
 
 
 def test_the_sweep_offers_gemm2_its_own_row_tiles_where_runs_are_sorted(tuner):
-    """GEMM2_BLOCK_M: a half or a quarter of BLOCK_M (at least 16 rows), without the tails those refuse, or back to
-    BLOCK_M; nothing under the naive assignment, for 16-row blocks or for a chained config."""
+    """GEMM2_BLOCK_M: a half or a quarter of BLOCK_M (at least 16 rows), without tails longer than those (which they
+    refuse), or back to BLOCK_M; nothing under the naive assignment, for 16-row blocks or for a chained config."""
     moe = type(tuner)
     model = types.SimpleNamespace(E=128, k=8)
     g = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=8, num_stages=4)
-    cfg = MoEConfig(BLOCK_M=128, gemm1=g, gemm2=g, TAIL_M=32)
+    cfg = MoEConfig(BLOCK_M=128, gemm1=g, gemm2=g, TAIL_M=64)
     assert tuner.gemm2_rows_moves(cfg, 4096, model) == [
-        dataclasses.replace(cfg, TAIL_M=0, GEMM2_BLOCK_M=r) for r in (64, 32)]
-    split = dataclasses.replace(cfg, TAIL_M=0, GEMM2_BLOCK_M=64)
+        dataclasses.replace(cfg, GEMM2_BLOCK_M=64), dataclasses.replace(cfg, TAIL_M=0, GEMM2_BLOCK_M=32)]
+    split = dataclasses.replace(cfg, TAIL_M=32, GEMM2_BLOCK_M=64)
     assert tuner.gemm2_rows_moves(split, 4096, model) == [dataclasses.replace(split, GEMM2_BLOCK_M=r) for r in (0, 32)]
     assert [c.GEMM2_BLOCK_M for c in tuner.gemm2_rows_moves(dataclasses.replace(cfg, BLOCK_M=32), 4096, model)] == [16]
     assert tuner.gemm2_rows_moves(dataclasses.replace(cfg, BLOCK_M=16, TAIL_M=0), 4096, model) == []

@@ -29,7 +29,7 @@ def _tile(**change) -> GemmConfig:
     return dataclasses.replace(GemmConfig(BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2), **change)
 
 
-def _run(monkeypatch, cell: str, cfg: MoEConfig):
+def _run(monkeypatch, cell: str, cfg: MoEConfig, lora_rank: int = 0):
     """(the layer's output on COUNTS' routing under cfg, its float64 reference, GEMM2's launch arguments)."""
     gemm2 = RecordingKernel(GEMM2_KERNEL)
     monkeypatch.setattr(launch, "gemm2_weighted_kernel", gemm2)
@@ -38,7 +38,7 @@ def _run(monkeypatch, cell: str, cfg: MoEConfig):
                               gemm2=dataclasses.replace(cfg.gemm2, BLOCK_K=block_k))
     monkeypatch.setattr(launch, "get_config", lambda **kwargs: cfg)
     layer = make_layer("triton.fused_moe", cell, activation=Activation.swigluoai, dtype=TRITON_DTYPE, bias=True,
-                       device=DEVICE, H=256, I=128)
+                       device=DEVICE, H=256, I=128, lora_rank=lora_rank)
     x, ids, w = _inputs(layer, COUNTS)
     return layer(x, topk_ids=ids, topk_weights=w), reference64(layer, x, ids, w), gemm2.launches[-1]
 
@@ -47,26 +47,39 @@ def _run(monkeypatch, cell: str, cfg: MoEConfig):
 # with per-group activations, and MX weights (whose tiles run swapped, launch.fragment_tiles).
 CELLS = ["unquantized", "fp8_w8a8/tensor/tensor", "int8_w8a16/channel", "fp8_w8a8/block128/group128",
          "mxfp4_w4a16/group32"]
-# (BLOCK_M, GEMM2_BLOCK_M, swapped, sorted intermediate read by TMA): COUNTS' runs leave whole 16-row tiles of
-# padding at both splits (a 5-row run in a 32-row block, in a 64-row one three of four tiles).
-SPLITS = [(32, 16, False, False), (64, 16, True, False), (64, 32, False, True)]
+# (BLOCK_M, GEMM2_BLOCK_M, TAIL_M, swapped, sorted intermediate read by TMA): COUNTS' runs leave whole 16-row tiles
+# of padding at every split (a 5-row run in a 32-row block, in a 64-row one three of four tiles); with 16-row tails
+# (test_tail_tiles' rule) the parts of a 64-row tile start past tails of other experts, and the tails run whole.
+SPLITS = [(32, 16, 0, False, False), (64, 16, 0, True, False), (64, 32, 0, False, True), (64, 32, 16, False, False),
+          (64, 16, 16, True, True)]
 
 
-@pytest.mark.parametrize("block_m, rows, swap, sorted_tma", SPLITS)
+@pytest.mark.parametrize("block_m, rows, tail_m, swap, sorted_tma", SPLITS)
 @pytest.mark.parametrize("cell", CELLS)
-def test_gemm2_row_tiles_give_the_block_m_layer(cell, block_m, rows, swap, sorted_tma, poison_empty, monkeypatch):
+def test_gemm2_row_tiles_give_the_block_m_layer(cell, block_m, rows, tail_m, swap, sorted_tma, poison_empty,
+                                               monkeypatch):
     """Against the float64 reference within the cell's tolerance, and in the interpreter, whose sums run in one order,
-    the layer of GEMM2 on BLOCK_M tiles within fp32 rounding; GEMM2 launched SPLIT tiles per block."""
+    the layer of GEMM2 on BLOCK_M tiles within fp32 rounding; GEMM2 launched SPLIT tiles per row tile."""
     sortable = cell in ("unquantized", "fp8_w8a8/tensor/tensor", "int8_w8a16/channel")
     g2 = _tile(SWAP_AB=swap, TMA=sorted_tma and sortable)
-    cfg = MoEConfig(BLOCK_M=block_m, gemm1=_tile(SWAP_AB=swap), gemm2=g2, SORTED_INTER=sorted_tma and sortable)
+    cfg = MoEConfig(BLOCK_M=block_m, gemm1=_tile(SWAP_AB=swap), gemm2=g2, SORTED_INTER=sorted_tma and sortable,
+                    TAIL_M=tail_m)
     out, ref, args = _run(monkeypatch, cell, dataclasses.replace(cfg, GEMM2_BLOCK_M=rows))
     whole, _, whole_args = _run(monkeypatch, cell, cfg)
-    assert (args["BLOCK_M"], args["SPLIT"], args["num_m_blocks"]) == (rows, block_m // rows,
-                                                                      whole_args["num_m_blocks"] * block_m // rows)
+    assert (args["BLOCK_M"], args["SPLIT"], args["TAIL_M"], args["num_m_blocks"]) == (
+        rows, block_m // rows, tail_m, whole_args["num_m_blocks"] * block_m // rows)
     assert rel_err(out, ref) < triton_tol(cell)
     if INTERPRETED:
         assert rel_err(out, whole) < 1e-6
+
+
+def test_gemm2_row_tiles_take_the_lora_delta_by_slot(poison_empty, monkeypatch):
+    """LoRA's GEMM2 shrink runs over the alignment's BLOCK_M blocks and is read back by slot in GEMM2's epilogue."""
+    cfg = MoEConfig(BLOCK_M=32, gemm1=_tile(), gemm2=_tile())
+    out, ref, args = _run(monkeypatch, "unquantized", dataclasses.replace(cfg, GEMM2_BLOCK_M=16), lora_rank=4)
+    assert args["SPLIT"] == 2 and args["HAS_LORA"] and rel_err(out, ref) < triton_tol("unquantized")
+    if INTERPRETED:
+        assert rel_err(out, _run(monkeypatch, "unquantized", cfg, lora_rank=4)[0]) < 1e-6
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -81,12 +94,17 @@ def test_gemm2_rows_must_split_block_m_into_tl_dot_tiles(rows, message):
                      Scheme.from_quant(quant_for_cell("unquantized")))
 
 
-@pytest.mark.parametrize("change, what", [(dict(TAIL_M=16), "tail tiles \\(TAIL_M\\)"),
-                                          (dict(CHAIN=True), "a chained launch \\(CHAIN\\)")])
-def test_gemm2_rows_refuse_tail_tiles_and_chained_launches(change, what):
-    cfg = dataclasses.replace(MoEConfig(BLOCK_M=64, gemm1=_tile(), gemm2=_tile(), GEMM2_BLOCK_M=32), **change)
-    with pytest.raises(ValueError, match=rf"^GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, and "
-                                         rf"this config has {what}; remove one of the two$"):
+def test_gemm2_rows_must_hold_whole_tail_blocks():
+    cfg = MoEConfig(BLOCK_M=128, gemm1=_tile(), gemm2=_tile(), TAIL_M=64, GEMM2_BLOCK_M=32)
+    with pytest.raises(ValueError, match=r"^GEMM2_BLOCK_M=32: GEMM2's tiles are whole blocks of the alignment, "
+                                         r"TAIL_M=64 rows each; make GEMM2_BLOCK_M at least TAIL_M$"):
+        check_config(cfg, Scheme.from_quant(quant_for_cell("unquantized")))
+
+
+def test_gemm2_rows_refuse_chained_launches():
+    cfg = MoEConfig(BLOCK_M=64, gemm1=_tile(), gemm2=_tile(), GEMM2_BLOCK_M=32, CHAIN=True)
+    with pytest.raises(ValueError, match=r"^GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, which "
+                                         r"chained launches do not use; remove GEMM2_BLOCK_M or CHAIN$"):
         config_module._check_gemm2_rows(cfg)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 48's first device call: GEMM2's own row tiles (MoEConfig.GEMM2_BLOCK_M). The new tests on the GPU, then
 # the GEMMs alone (tma_probe --gemms, interleaved, 2 rounds) at the M >= 4096 points, largest expected gain first,
-# with GEMM2 on half and quarter row tiles (tail tiles dropped, which the split refuses), and on half tiles at 4 warps;
+# with GEMM2 on half and quarter row tiles (tails kept where no longer than those), and on half tiles at 4 warps;
 # at DeepSeek-V3 block-128 M=4096 also session 46's 64-row GEMM2 tile under GEMM1's 128-row one. The fastest variant
 # at least TILE_INSTALL_MARGIN faster goes into the files (tma_probe/configs). Run from the repo root with OUT set.
 set -uo pipefail
@@ -14,17 +14,19 @@ timeout "${TESTS_SECONDS:-100}" python3 -m pytest tests/kernels/test_gemm2_row_t
   | tail -15 > "$out/pytest.log"
 tail -3 "$out/pytest.log"
 s46_g2='{"BLOCK_N":128,"BLOCK_K":128,"GROUP_M":16,"num_warps":4,"num_stages":3,"TMA":true,"MAXNREG":168,"HALF_MMA":false}'
-points="deepseek-v3:fp8_block:4096 deepseek-v3:bf16:4096 deepseek-v3:fp8_tensor:4096 gpt-oss-120b:bf16:4096
+probe() {  # probe NAME SECONDS POINTS [--tile ...]: the split variants (and any further tiles) at POINTS
+  local name=$1 secs=$2 points=$3
+  shift 3
+  # shellcheck disable=SC2086
+  timeout "$secs" python3 bench/tma_probe.py --out "$out/$name" --gemms --install --rounds 2 --points $points \
+    --tile='g64={"GEMM2_BLOCK_M":64}' --tile='g32={"GEMM2_BLOCK_M":32}' \
+    --tile='g64w4={"GEMM2_BLOCK_M":64,"gemm2":{"num_warps":4,"MAXNREG":null}}' "$@" > "$out/$name.log" 2>&1
+  grep '"point"' "$out/$name.log" | cut -c1-600
+}
+probe block4096 100 deepseek-v3:fp8_block:4096 --tile="s46g2={\"GEMM2_BLOCK_M\":64,\"gemm2\":$s46_g2}"
+probe m4096 "${PROBE_SECONDS:-330}" "deepseek-v3:bf16:4096 deepseek-v3:fp8_tensor:4096 gpt-oss-120b:bf16:4096
   gpt-oss-120b:fp8_tensor:4096 qwen3-30b-a3b:bf16:4096 qwen3-30b-a3b:fp8_tensor:4096 deepseek-v3:fp8_block:16384
   deepseek-v3:bf16:16384 gpt-oss-120b:bf16:16384 gpt-oss-120b:fp8_tensor:16384 deepseek-v3:fp8_tensor:16384
   qwen3-30b-a3b:bf16:16384 qwen3-30b-a3b:fp8_tensor:16384 mixtral-8x7b:fp8_tensor:4096"
-# shellcheck disable=SC2086
-timeout "${PROBE_SECONDS:-420}" python3 bench/tma_probe.py --out "$out/tma_probe" --gemms --install --rounds 2 \
-  --points $points \
-  --tile='g64={"TAIL_M":0,"GEMM2_BLOCK_M":64}' --tile='g32={"TAIL_M":0,"GEMM2_BLOCK_M":32}' \
-  --tile='g64w4={"TAIL_M":0,"GEMM2_BLOCK_M":64,"gemm2":{"num_warps":4,"MAXNREG":null}}' \
-  --tile="s46g2={\"TAIL_M\":0,\"GEMM2_BLOCK_M\":64,\"gemm2\":$s46_g2}" > "$out/tma_probe.log" 2>&1
-cp -r kernels/configs "$out/tma_probe/configs"
-tar -czf "$out/tma_probe.tgz" -C "$out" tma_probe && rm -rf "$out/tma_probe"
-grep '"point"' "$out/tma_probe.log" | cut -c1-400
-grep -i "error\|Traceback" "$out/tma_probe.log" | head -5
+mkdir -p "$out/configs" && cp kernels/configs/*H100* "$out/configs/"
+tar -czf "$out/probe.tgz" -C "$out" block4096 m4096 configs && rm -rf "$out/block4096" "$out/m4096" "$out/configs"

@@ -440,9 +440,9 @@ class Bench:
         one row per expert) and, for MXFP4, triton_kernels' tiles (each seed's time is logged); then one coordinate
         sweep per GEMM over BLOCK_N, BLOCK_K (x{1/2, 2}), GROUP_M, num_warps, num_stages, SWAP_AB and TMA, keeping each
         field's best before the next, then CHAIN, TAIL_M, SORTED_INTER and GEMM2_BLOCK_M (`chain_moves`, `tail_moves`,
-        `sorted_moves`, `gemm2_rows_moves`; --fields: only those, from the config in use; --seeds-only: none). --point-seconds ends the
-        sweep that long after the point began (its seeds are all timed), keeping the best found: a device call's time
-        cap would otherwise lose the point. A
+        `sorted_moves`, `gemm2_rows_moves`; --fields: only those, from the config in use; --seeds-only: none).
+        --point-seconds ends the sweep that long after the point began (its seeds are all timed), keeping the best
+        found: a device call's time cap would otherwise lose the point. A
         config replaces the one in use only if its output matches the one in use within the scheme's tolerance and it
         stays faster when the two are timed again, in turn, CONFIRM_ROUNDS times (`fastest_interleaved`): single
         timings drift at large M."""

@@ -64,9 +64,10 @@ class MoEConfig:
     SORTED_INTER: bool = False
     # GEMM2's rows per tile (0: BLOCK_M), a power of two below BLOCK_M and not below TAIL_M: GEMM2 then runs each
     # BLOCK_M tile as BLOCK_M / GEMM2_BLOCK_M tiles (a tail tile whole), those holding only padding exit at once. Both
-    # GEMMs read one alignment, and their best row tiles differ where their K differ (DeepSeek-V3 FP8 block-128
-    # M=4096 on the H100: GEMM1 7-10% faster on 128-row tiles, GEMM2 7-11% faster on 64-row ones,
-    # bench/results/s47 c.). For batches that take the sorted assignment, unchained.
+    # GEMMs read one alignment, and their best row tiles can differ: at DeepSeek-V3 FP8 block-128 M=4096 on the H100,
+    # GEMM1 on 128-row tiles with GEMM2 on 64-row ones ran 1.018x faster than both on 128. Halving the rows of a tile
+    # tuned at 128 lost everywhere else, 0.62-0.96x, though up to a third of GEMM2's rows were padding there
+    # (bench/results/s48 a.). For batches that take the sorted assignment, unchained.
     GEMM2_BLOCK_M: int = 0
 
     @classmethod
@@ -294,8 +295,8 @@ def _check_gemm2_rows(cfg: MoEConfig) -> None:
         raise ValueError(f"GEMM2_BLOCK_M={g} must be a power of two from 16 (the smallest tl.dot tile) below "
                          f"BLOCK_M={cfg.BLOCK_M}, or 0 for GEMM2 tiles of BLOCK_M rows")
     if cfg.TAIL_M > g:
-        raise ValueError(f"GEMM2_BLOCK_M={g}: GEMM2's tiles are whole blocks of the alignment, TAIL_M={cfg.TAIL_M} rows "
-                         f"each; make GEMM2_BLOCK_M at least TAIL_M")
+        raise ValueError(f"GEMM2_BLOCK_M={g}: GEMM2's tiles are whole blocks of the alignment, TAIL_M={cfg.TAIL_M} "
+                         "rows each; make GEMM2_BLOCK_M at least TAIL_M")
     if cfg.CHAIN:
         raise ValueError("GEMM2_BLOCK_M splits the BLOCK_M blocks of the sorted assignment, which chained launches do "
                          "not use; remove GEMM2_BLOCK_M or CHAIN")

@@ -216,9 +216,9 @@ def _gemm2_row_tiles(align: Alignment, cfg: MoEConfig) -> dict:
     if not cfg.GEMM2_BLOCK_M:
         return dict(**_row_tiles(align), num_m_blocks=align.num_tiles)
     if align.naive:
-        raise KernelInputError(f"gemm2: GEMM2_BLOCK_M splits the blocks of the sorted assignment, and this batch takes "
-                               f"the naive one (one slot per block, 4 * slots <= experts): give it a config without "
-                               f"GEMM2_BLOCK_M")
+        raise KernelInputError("gemm2: GEMM2_BLOCK_M splits the blocks of the sorted assignment, and this batch takes "
+                               "the naive one (one slot per block, 4 * slots <= experts): give it a config without "
+                               "GEMM2_BLOCK_M")
     split = align.block_m // cfg.GEMM2_BLOCK_M
     return _row_tiles(align) | dict(BLOCK_M=cfg.GEMM2_BLOCK_M, num_m_blocks=align.num_tiles * split, SPLIT=split)
 

@@ -412,8 +412,11 @@ class Bench:
     # The space (docstring of `tune`): every field one step either way from the best so far, plus the values the
     # peers' best configs use (vLLM's tuned H100 files: BLOCK_N 256 over 2I, i.e. 128 per half here; GROUP_M
     # 16-64; BLOCK_M 64 at 4 warps), plus the swapped tiles for decode.
-    # HALF_MMA moves only where check_config takes it (block-scaled weights): `valid`
-    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG", "HALF_MMA")
+    # HALF_MMA moves only where check_config takes it (block-scaled weights), PERSISTENT only without tail tiles or
+    # GEMM2 row tiles: `valid`
+    FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB", "TMA", "MAXNREG", "HALF_MMA",
+              "PERSISTENT")
+    PERSISTENT = (0, 1, 2)  # programs per SM (GemmConfig.PERSISTENT)
     # swept after both GEMMs' fields (`chain_moves`, `tail_moves`, `sorted_moves`, `gemm2_rows_moves`)
     MOE_FIELDS = ("CHAIN", "TAIL_M", "SORTED_INTER", "GEMM2_BLOCK_M")
     GROUP_MS = (1, 8, 16, 32, 64)
@@ -662,6 +665,8 @@ class Bench:
             return [v for v in self.WARPS if v != cur]
         if field == "num_stages":
             return [v for v in ((1,) if gemv else ()) + self.STAGES if v != cur]
+        if field == "PERSISTENT":
+            return [v for v in self.PERSISTENT if v != cur]
         return [not cur]  # SWAP_AB, TMA, HALF_MMA
 
     def valid(self, cfgs, scheme: Scheme) -> list:

@@ -73,12 +73,12 @@ def chained_moe_kernel(
     sum_counters = sync_ptr + SLOT_DONE + num_slots
     if ticket < gemm1_tiles:
         slot, pid_n = _tile_coords(ticket, num_slots, I, BLOCK_M, BLOCK_N1, 1)
-        gemm1_tile(slot, pid_n, ticket, x_ptr, dummy_ptr, w13_ptr, w13_scale_ptr, w13_bias_ptr, inter_ptr,
+        gemm1_tile(slot, pid_n, x_ptr, dummy_ptr, w13_ptr, w13_scale_ptr, w13_bias_ptr, inter_ptr,
                    dummy_ptr, expert_ids_ptr, num_slots, num_experts, I, H, TOP_K, gate_row_step,
                    up_row_offset, stride_xm, 1, stride_w13e, stride_w13n, stride_w13se, stride_w13sn, stride_b13e,
                    I, 0, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, False, BLOCK_M, BLOCK_N1, BLOCK_K1,
                    SWAP_AB1, dummy_ptr, dummy_ptr, 0, 0, 0, 0, GATED, PAIRED, False, 16, swiglu_limit,
-                   swiglu_alpha, dummy_ptr, False, False, True, PDL, PTX_MATH, False, STAGES1, None, 0, None)
+                   swiglu_alpha, False, False, True, PDL, PTX_MATH, False, STAGES1, None, 0, None)
         tl.debug_barrier()  # every thread's stores of the tile precede the release
         tl.atomic_add(sync_ptr + SLOT_DONE + slot, 1, sem="release")
     else:

@@ -45,6 +45,12 @@ class GemmConfig:
     # the two column halves), each promoted into its own accumulator (fused_moe._k_loop_halves): the fresh product is
     # half the tile, so 128-row tiles can take 256 weight rows without spilling.
     HALF_MMA: bool = False
+    # Programs per SM of a persistent launch (0: one program per tile): each program runs tiles in turn, the K loops
+    # of its tiles flattened into one pipelined loop (Triton's tl.range(flatten=True)), so a tile's first loads are in
+    # flight during the previous tile's epilogue. Whole BLOCK_M tiles of the sorted assignment: no tail tiles, GEMV
+    # rows, GEMM2_BLOCK_M or chained launches. A persistent GEMM2 on 128 x 256 tiles ran 3.5% faster than the same
+    # tiles one program per tile (H100, Qwen3-30B-A3B bf16 M=4096; bench/results/s46 d.).
+    PERSISTENT: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,19 +83,25 @@ class MoEConfig:
                    GEMM2_BLOCK_M=d.get("GEMM2_BLOCK_M", 0))
 
     @property
+    def persistent(self) -> bool:
+        """Whether either GEMM launches persistently (GemmConfig.PERSISTENT)."""
+        return bool(self.gemm1.PERSISTENT or self.gemm2.PERSISTENT)
+
+    @property
     def gemm2_block_m(self) -> int:
         """The rows of GEMM2's tiles."""
         return self.GEMM2_BLOCK_M or self.BLOCK_M
 
     def to_dict(self) -> dict:
-        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, its HALF_MMA, CHAIN, TAIL_M,
-        SORTED_INTER and GEMM2_BLOCK_M only where set."""
+        """As the data files hold it: a GEMM's MAXNREG only where it caps registers, its HALF_MMA, PERSISTENT, CHAIN,
+        TAIL_M, SORTED_INTER and GEMM2_BLOCK_M only where set."""
         d = asdict(self)
         for gemm in ("gemm1", "gemm2"):
             if d[gemm]["MAXNREG"] is None:
                 del d[gemm]["MAXNREG"]
-            if not d[gemm]["HALF_MMA"]:
-                del d[gemm]["HALF_MMA"]
+            for optional in ("HALF_MMA", "PERSISTENT"):
+                if not d[gemm][optional]:
+                    del d[gemm][optional]
         for optional in ("CHAIN", "TAIL_M", "SORTED_INTER", "GEMM2_BLOCK_M"):
             if not d[optional]:
                 del d[optional]
@@ -208,13 +220,13 @@ def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_ro
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
     up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`), and chained entries (CHAIN) unless
     the batch takes the naive assignment (`naive`), the only one they run, and sorted intermediates (SORTED_INTER)
-    and GEMM2 row tiles (GEMM2_BLOCK_M) only if it does not (the naive assignment has no sorted order, one slot per
+    GEMM2 row tiles (GEMM2_BLOCK_M) and persistent GEMMs (PERSISTENT) only if it does not (the naive assignment has no sorted order, one slot per
     block). Nearest M alone sent Mixtral-8x7B at M=16
     (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33
     (bench/results/s27)."""
     return {m: cfg for m, cfg in table.items()
             if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)
-            and not (naive and (cfg.SORTED_INTER or cfg.GEMM2_BLOCK_M))}
+            and not (naive and (cfg.SORTED_INTER or cfg.GEMM2_BLOCK_M or cfg.persistent))}
 
 
 def batched_config(*, num_tokens: int, num_experts: int, top_k: int, max_tokens: int, scheme: Scheme) -> MoEConfig:
@@ -261,6 +273,8 @@ def check_config(cfg: MoEConfig, scheme: Scheme) -> None:
             raise ValueError(f"{name}: TMA weight copies serve MMA tiles, not GEMV rows (BLOCK_M 1)")
         if g.HALF_MMA:
             _check_half_mma(name, g, cfg, scheme)
+        if g.PERSISTENT:
+            _check_persistent(name, g, cfg)
     if cfg.BLOCK_M != 1 and cfg.BLOCK_M < 16:
         raise ValueError(f"BLOCK_M={cfg.BLOCK_M} is below the smallest tl.dot tile (16); 1 selects the GEMV path")
     if cfg.TAIL_M and not (16 <= cfg.TAIL_M < cfg.BLOCK_M and cfg.TAIL_M & (cfg.TAIL_M - 1) == 0):
@@ -285,6 +299,22 @@ def _check_half_mma(name: str, g: GemmConfig, cfg: MoEConfig, scheme: Scheme) ->
     if cfg.BLOCK_M == 1 or cfg.CHAIN or not 16 <= half <= 128:
         raise ValueError(f"{name}: HALF_MMA takes MMA tiles (BLOCK_M >= 16, not chained) whose halves hold 16 to 128 "
                          f"weight rows (here {half}: BLOCK_N={g.BLOCK_N}); remove HALF_MMA or change BLOCK_N")
+
+
+PERSISTENT_RANGE = (1, 4)  # programs per SM; the tuned tiles fit at most three on an H100 SM (bench/results/s47)
+
+
+def _check_persistent(name: str, g: GemmConfig, cfg: MoEConfig) -> None:
+    """What a persistent GEMM (GemmConfig.PERSISTENT) needs: whole BLOCK_M tiles of the sorted assignment, one tile
+    shape, so that its tiles' K loops are one loop nest (fused_moe: the flattened tl.range)."""
+    low, high = PERSISTENT_RANGE
+    if not low <= g.PERSISTENT <= high:
+        raise ValueError(f"{name}: PERSISTENT={g.PERSISTENT} must be the programs per SM, from {low} to {high}, or 0 "
+                         "for one program per tile")
+    if cfg.BLOCK_M == 1 or cfg.CHAIN or cfg.TAIL_M or (name == "gemm2" and cfg.GEMM2_BLOCK_M):
+        raise ValueError(f"{name}: PERSISTENT runs whole BLOCK_M tiles of the sorted assignment, one tile shape, so "
+                         "not with GEMV rows (BLOCK_M 1), CHAIN, TAIL_M or GEMM2_BLOCK_M; remove PERSISTENT or "
+                         "those fields")
 
 
 def _check_gemm2_rows(cfg: MoEConfig) -> None:

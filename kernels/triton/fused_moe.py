@@ -697,8 +697,28 @@ def _read_back_amax(out_ptrs, tile_ok):
     return tl.max(tl.max(_finite_abs(values.to(tl.float32)), axis=1), axis=0)
 
 
+# The fp32 magnitudes from which rounding to bf16 / fp16 reaches Inf: halfway past each type's largest finite value
+# (0x1.fep+127 and 65504), where ties go to the even neighbour, Inf.
+_BF16_INF_FROM = tl.constexpr(float.fromhex("0x1.ffp+127"))
+_FP16_INF_FROM = tl.constexpr(65520.0)
+
+
 @triton.jit
-def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.constexpr):
+def _registers_amax(out, tile_ok, dtype: tl.constexpr, AMAX_MASK: tl.constexpr):
+    """The finite amax of `out` (fp32) as stored in dtype (bf16 or fp16) where tile_ok, from the registers alone:
+    the values that round to Inf, and NaN, count as 0 (the read-back's finite amax, _read_back_amax), and rounding is
+    monotone, so the max of the magnitudes kept, rounded once, is the max of the stored ones."""
+    magnitudes = tl.abs(out)
+    inf_from = _FP16_INF_FROM if dtype == tl.float16 else _BF16_INF_FROM
+    keep = magnitudes < inf_from
+    if AMAX_MASK:
+        keep = keep & tile_ok
+    return tl.max(tl.max(tl.where(keep, magnitudes, 0.0), axis=1), axis=0).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.constexpr,
+                 IN_REGISTERS: tl.constexpr = False):
     """The finite amax of the tile a program stored: `out` (fp32) cast to out_ptrs' dtype, at `out_ptrs` where
     `tile_ok`.
 
@@ -711,8 +731,12 @@ def _stored_amax(out, out_ptrs, tile_ok, SWAP_AB: tl.constexpr, AMAX_MASK: tl.co
     it padding rows are act(0) * 0 = 0 (their token rows load as zeros, no bias) and every column is below N. At
     Mixtral-8x7B FP8 M=1024 (compiled for sm_90, bench/sass_count.py) GEMM1's instructions outside the K loop went
     from 2118 to 1502 on the path that runs (the read-back branch adds 664 more that run only where it is taken):
-    the stored values' upcast, finite test, select and mask had cost 8-9 instructions per value."""
-    if SWAP_AB:
+    the stored values' upcast, finite test, select and mask had cost 8-9 instructions per value.
+    IN_REGISTERS (persistent tiles): no read-back, _registers_amax; a branch that loads in the epilogue of a flattened
+    K loop stops Triton pipelining it (compiled for sm_90: one stage of shared memory instead of three)."""
+    if IN_REGISTERS:
+        amax = _registers_amax(out, tile_ok, out_ptrs.dtype.element_ty, AMAX_MASK)
+    elif SWAP_AB:
         amax = _read_back_amax(out_ptrs, tile_ok)
     else:
         magnitudes = tl.abs(out)
@@ -738,11 +762,30 @@ def gemm1_gated_kernel(
         swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, w_desc=None, W_TMA: tl.constexpr = 0, s_desc=None,
         W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False,
-        HALF_MMA: tl.constexpr = False):
+        HALF_MMA: tl.constexpr = False, PERSISTENT: tl.constexpr = False):
     """GEMM1, one program per tile (gemm1_tile), its K loop pipelined by the launch's num_stages. TAIL_M: the rows
     of the tail tiles (0: none), swapped (tokens on the MMA's N side, so a short tile keeps wgmma's 64-row side full
-    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT, HALF_MMA: as in gemm1_tile."""
+    of weights); `tiles_ptr`: the tile table (align.py). SORTED_OUT, HALF_MMA: as in gemm1_tile. PERSISTENT
+    (GemmConfig.PERSISTENT): each program runs tiles in turn, its K loops flattened into one, and stores the amax of
+    all of them (taken in the registers: _stored_amax's IN_REGISTERS)."""
     wait_for_previous_kernel(PDL)
+    if PERSISTENT:
+        tl.static_assert(not TAIL_M and not NAIVE, "PERSISTENT: whole BLOCK_M tiles of the sorted assignment")
+        amax = 0.0
+        num_m_real = tl.load(num_post_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), num_m_real * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile_coords(tile, num_m_real, N, BLOCK_M, BLOCK_N, GROUP_M)
+            amax = tl.maximum(amax, gemm1_tile(
+                pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, sorted_ids_ptr,
+                expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step, up_row_offset, stride_am,
+                stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE,
+                UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr,
+                lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED, PAIRED, HAS_LORA, LORA_R,
+                swiglu_limit, swiglu_alpha, AMAX, AMAX_MASK, NAIVE, PDL, PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA,
+                s_desc, W_BLOCKS, 0, SORTED_OUT, HALF_MMA, AMAX_IN_REGISTERS=True))
+        if AMAX:
+            tl.store(amax_ptr + tl.program_id(0), amax)
+        return
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m, BLOCK_M, TAIL_M, NAIVE)
     if past:
@@ -751,26 +794,31 @@ def gemm1_gated_kernel(
         return
     if TAIL_M:  # constexpr: without tail tiles the tail branch is not compiled
         if tail:
-            gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                       sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
-                       up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
-                       stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, TAIL_M, BLOCK_N,
-                       BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
-                       PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-                       PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
+            amax = gemm1_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                              sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
+                              up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+                              stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT,
+                              TAIL_M, BLOCK_N, BLOCK_K, True, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm,
+                              stride_lbe, stride_lbn, GATED, PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha,
+                              AMAX, AMAX_MASK, NAIVE, PDL, PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc,
+                              W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
+            if AMAX:
+                tl.store(amax_ptr + tl.program_id(0), amax)
             return
-    gemm1_tile(block, pid_n, tl.program_id(0), a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-               sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
-               up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
-               stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
-               BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn, GATED,
-               PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, amax_ptr, AMAX, AMAX_MASK, NAIVE, PDL,
-               PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
+    amax = gemm1_tile(block, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                      sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, top_k, gate_row_step,
+                      up_row_offset, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be,
+                      stride_om, A_SCALE, W_SCALE, UPCAST_W, W_FP4, HAS_BIAS, ACTIVATION, ACC_INT, BLOCK_M, BLOCK_N,
+                      BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
+                      GATED, PAIRED, HAS_LORA, LORA_R, swiglu_limit, swiglu_alpha, AMAX, AMAX_MASK, NAIVE, PDL,
+                      PTX_MATH, EIGHT_BIT_OUT, None, w_desc, W_TMA, s_desc, W_BLOCKS, TAIL_M, SORTED_OUT, HALF_MMA)
+    if AMAX:
+        tl.store(amax_ptr + tl.program_id(0), amax)
 
 
 @triton.jit
 def gemm1_tile(
-        pid_m, pid_n, program, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+        pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
         sorted_ids_ptr, expert_ids_ptr,
         num_slots, num_experts, N, K, top_k, gate_row_step, up_row_offset,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
@@ -779,29 +827,28 @@ def gemm1_tile(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         GATED: tl.constexpr, PAIRED: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, swiglu_limit,
-        swiglu_alpha, amax_ptr, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+        swiglu_alpha, AMAX: tl.constexpr, AMAX_MASK: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
         PTX_MATH: tl.constexpr, EIGHT_BIT_OUT: tl.constexpr, STAGES: tl.constexpr, w_desc, W_TMA: tl.constexpr,
         s_desc, W_BLOCKS: tl.constexpr = 0, ROW_UNIT: tl.constexpr = 0, SORTED_OUT: tl.constexpr = False,
-        HALF_MMA: tl.constexpr = False):
+        HALF_MMA: tl.constexpr = False, AMAX_IN_REGISTERS: tl.constexpr = False):
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
-    AMAX: amax[program] = the finite amax of the values this program stores (0 if it stores none), for GEMM2's
-    dynamic per-tensor scale (quant.scale_of_partials); AMAX_MASK: see _stored_amax. EIGHT_BIT_OUT: GEMM2 quantises
+    Returns, with AMAX, the finite amax of the values the tile stores (0 if none; else 0), for GEMM2's dynamic
+    per-tensor scale (the kernel stores one per program, quant.scale_of_partials); AMAX_MASK: see _stored_amax. EIGHT_BIT_OUT: GEMM2 quantises
     this output to 8 bits, so the activation may take the coarser sigmoid of _TANH_PTX.
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
     STAGES: the K loop's software pipeline depth, or None for the launch's num_stages. A depth set on the loop
     pipelines the GEMV rows' loop (no tl.dot) through shared memory, which the launch's leaves alone: DeepSeek-V3
-    bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile; program: where its amax
-    goes. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
+    bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
     the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
     ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
     SORTED_OUT (MoEConfig.SORTED_INTER): the tile's row r goes to out row first + r, first its first row of sorted_ids,
     instead of its slot's row, padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).
     HALF_MMA (block scaling, W_BLOCKS 2; _k_loop_halves): the gate half and the up half of each K step are two MMAs,
-    each promoted into its own accumulator.
+    each promoted into its own accumulator. AMAX_IN_REGISTERS: as _stored_amax's IN_REGISTERS.
     """
     slot, row_ok, e = _block_rows(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, num_experts, BLOCK_M, NAIVE,
                                   ROW_UNIT)
@@ -887,8 +934,10 @@ def gemm1_tile(
     else:
         out_ptrs = out_ptr + slot[:, None] * stride_om + cols[None, :]
         tl.store(out_ptrs, stored, mask=tile_ok)
+    amax = 0.0
     if AMAX:
-        tl.store(amax_ptr + program, _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK))
+        amax = _stored_amax(out, out_ptrs, tile_ok, SWAP_AB, AMAX_MASK, AMAX_IN_REGISTERS)
+    return amax
 
 
 @triton.jit
@@ -903,13 +952,27 @@ def gemm2_weighted_kernel(
         SWAP_AB: tl.constexpr, lora_shrink_ptr, lora_b_ptr, lora_rank, stride_lsm, stride_lbe, stride_lbn,
         HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr, w_desc=None,
         W_TMA: tl.constexpr = 0, s_desc=None, W_BLOCKS: tl.constexpr = 0, tiles_ptr=None, TAIL_M: tl.constexpr = 0,
-        a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False, SPLIT: tl.constexpr = 1):
-    """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr:
-    as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile. SPLIT (MoEConfig.GEMM2_BLOCK_M): each
-    row tile of the alignment (SPLIT * BLOCK_M rows; a tail tile, at most BLOCK_M rows, runs whole in its first part)
-    is SPLIT tiles of BLOCK_M rows; a tile of padding rows alone exits (a run's padding follows its rows, so its first
-    row tells)."""
+        a_desc=None, A_SORTED: tl.constexpr = 0, HALF_MMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+        PERSISTENT: tl.constexpr = False):
+    """GEMM2, one program per tile (gemm2_tile), its K loop pipelined by the launch's num_stages. TAIL_M, tiles_ptr,
+    PERSISTENT: as in gemm1_gated_kernel; A_SORTED, a_desc, HALF_MMA: as in gemm2_tile. SPLIT
+    (MoEConfig.GEMM2_BLOCK_M): each row tile of the alignment (SPLIT * BLOCK_M rows; a tail tile, at most BLOCK_M
+    rows, runs whole in its first part) is SPLIT tiles of BLOCK_M rows; a tile of padding rows alone exits (a run's
+    padding follows its rows, so its first row tells)."""
     wait_for_previous_kernel(PDL)
+    if PERSISTENT:
+        tl.static_assert(not TAIL_M and not NAIVE and SPLIT == 1,
+                         "PERSISTENT: whole BLOCK_M tiles of the sorted assignment")
+        num_m_real = tl.load(num_post_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), num_m_real * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile_coords(tile, num_m_real, N, BLOCK_M, BLOCK_N, GROUP_M)
+            gemm2_tile(pid_m, pid_n, a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, topk_weights_ptr, out_ptr,
+                       sorted_ids_ptr, expert_ids_ptr, num_slots, num_experts, N, K, stride_am, stride_asm,
+                       stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om, A_SCALE, W_SCALE, UPCAST_W,
+                       W_FP4, HAS_BIAS, ACC_INT, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, lora_shrink_ptr, lora_b_ptr,
+                       lora_rank, stride_lsm, stride_lbe, stride_lbn, HAS_LORA, LORA_R, NAIVE, PDL, None, w_desc,
+                       W_TMA, s_desc, W_BLOCKS, 0, a_desc, A_SORTED, HALF_MMA)
+        return
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, N, BLOCK_M, BLOCK_N, GROUP_M)
     block, tail, past = _row_tile(tiles_ptr, num_post_ptr, pid_m // SPLIT, BLOCK_M * SPLIT, TAIL_M, NAIVE)
     # the block gemm2_tile starts at, in units of ROW_UNIT rows, and which expert_ids entry it reads (_block_rows)

@@ -34,7 +34,7 @@ from ..weights import MoEWeights
 from . import chain
 from .align import Alignment, moe_align
 from .config import GemmConfig, MoEConfig, check_config, get_config
-from .device import device_name, ptx_math
+from .device import device_name, ptx_math, sm_count
 from .fused_moe import (ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_SWIGLUOAI, gemm1_gated_kernel,
                         gemm2_weighted_kernel, lora_shrink_kernel)
 from .pdl import pdl_kwargs
@@ -221,6 +221,18 @@ def _gemm2_row_tiles(align: Alignment, cfg: MoEConfig) -> dict:
                                "GEMM2_BLOCK_M")
     split = align.block_m // cfg.GEMM2_BLOCK_M
     return _row_tiles(align) | dict(BLOCK_M=cfg.GEMM2_BLOCK_M, num_m_blocks=align.num_tiles * split, SPLIT=split)
+
+
+def _programs(g: GemmConfig, align: Alignment, *, tiles: int, device: torch.device, gemm: int) -> int:
+    """The grid of a GEMM launch of at most `tiles` tiles: one program per tile, or with g.PERSISTENT that many per SM
+    (no more than the tiles), each looping over tiles (fused_moe's PERSISTENT)."""
+    if not g.PERSISTENT:
+        return tiles
+    if align.naive:
+        raise KernelInputError(f"gemm{gemm}: PERSISTENT runs the blocks of the sorted assignment, and this batch takes "
+                               "the naive one (one slot per block, 4 * slots <= experts): give it a config without "
+                               "PERSISTENT")
+    return min(tiles, g.PERSISTENT * sm_count(device))
 
 
 def _launch_kwargs(g: GemmConfig) -> dict:
@@ -430,7 +442,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
     g = cfg.gemm1
     _check_intermediate_rows(out, align, cfg, num_slots=x_q.shape[0] * top_k, gemm=1)
     x_q, a_scale, flags = _gemm_input(x_q, a_scale, weights, out.dtype)
-    programs = align.num_tiles * triton.cdiv(I, g.BLOCK_N)
+    programs = _programs(g, align, tiles=align.num_tiles * triton.cdiv(I, g.BLOCK_N), device=out.device, gemm=1)
     amax = (torch.empty(programs, dtype=torch.float32, device=out.device)
             if _epilogue_amax(weights, out.numel()) else None)
     with _register_cap_honoured(g, gemm=1):
@@ -450,7 +462,7 @@ def gemm1(x_q: torch.Tensor, a_scale: Optional[torch.Tensor], *, weights: MoEWei
             **_weight_descriptors(weights, g, gemm=1, rows=g.BLOCK_N * (2 if weights.gated else 1),
                                   halves=weights.gated and not interleaved),
             W_BLOCKS=_gemm1_weight_blocks(weights, g, interleaved=interleaved), SORTED_OUT=cfg.SORTED_INTER,
-            HALF_MMA=g.HALF_MMA)
+            HALF_MMA=g.HALF_MMA, PERSISTENT=bool(g.PERSISTENT))
     return amax
 
 
@@ -510,8 +522,9 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
     _check_intermediate_rows(inter_q, align, cfg, num_slots=out.shape[0], gemm=2)
     inter_q, inter_scale, flags = _gemm_input(inter_q, inter_scale, weights, out.dtype)
     rows = _gemm2_row_tiles(align, cfg)
+    programs = _programs(g, align, tiles=rows["num_m_blocks"] * triton.cdiv(H, g.BLOCK_N), device=out.device, gemm=2)
     with _register_cap_honoured(g, gemm=2):
-        gemm2_weighted_kernel[(rows["num_m_blocks"] * triton.cdiv(H, g.BLOCK_N),)](
+        gemm2_weighted_kernel[(programs,)](
             inter_q, inter_scale if inter_scale is not None else dummy, weights.w2,
             weights.w2_scale if weights.w2_scale is not None else dummy, bias, topk_weights, out,
             *align.kernel_args(), out.shape[0], weights.num_experts, N=H, K=I,
@@ -523,4 +536,4 @@ def gemm2(inter_q: torch.Tensor, inter_scale: Optional[torch.Tensor], *, weights
             **(lora or _no_lora(dummy)), NAIVE=align.naive, **pdl_kwargs(out.device),
             **_weight_descriptors(weights, g, gemm=2, rows=g.BLOCK_N // (2 if g.HALF_MMA else 1), halves=False),
             W_BLOCKS=_weight_blocks(weights, g, gemm=2, interleaved=False), **_sorted_input(inter_q, cfg),
-            HALF_MMA=g.HALF_MMA)
+            HALF_MMA=g.HALF_MMA, PERSISTENT=bool(g.PERSISTENT))

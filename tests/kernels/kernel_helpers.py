@@ -96,13 +96,14 @@ def bench_module(monkeypatch, name: str):
 
 
 class RecordingKernel:
-    """A jit kernel's stand-in that records the keyword arguments of each launch, then launches it."""
+    """A jit kernel's stand-in that records the grid and keyword arguments of each launch, then launches it."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+        self.kernel, self.launches, self.grids = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append(kwargs)
+            self.grids.append(grid)
             return self.kernel[grid](*args, **kwargs)
         return launch

@@ -69,6 +69,20 @@ def test_half_mma_moves_are_kept_for_block_scaled_weights_only(tuner, monkeypatc
     assert tuner.valid([half], Scheme.from_quant(schemes["fp8_tensor"])) == []
 
 
+def test_persistent_moves_are_kept_without_tail_tiles_only(tuner):
+    """PERSISTENT moves to each other count of programs per SM (0: one per tile); `valid` keeps a persistent config
+    of whole BLOCK_M tiles and drops one with tail tiles, which check_config refuses."""
+    g = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    assert [m.PERSISTENT for m in tuner.moves(g, "PERSISTENT", 8, gemv=False)] == [1, 2]
+    assert [m.PERSISTENT for m in tuner.moves(dataclasses.replace(g, PERSISTENT=1), "PERSISTENT", 8,
+                                              gemv=False)] == [0, 2]
+    assert "PERSISTENT" in tuner.FIELDS
+    tuner.smoke = False
+    persistent = MoEConfig(BLOCK_M=128, gemm1=dataclasses.replace(g, PERSISTENT=1), gemm2=g)
+    assert tuner.valid([persistent], BF16) == [persistent]
+    assert tuner.valid([dataclasses.replace(persistent, TAIL_M=32)], BF16) == []
+
+
 def test_the_nearest_tuned_entries_seed_the_tuner(monkeypatch):
     moe = bench_module(monkeypatch, "moe")
     tile = dict(BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)

@@ -10,7 +10,9 @@ import os
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, TRITON_DTYPE, RecordingKernel, make_layer, reference64, rel_err
+import triton
+import triton.language as tl
+from kernel_helpers import DEVICE, TRITON_DTYPE, RecordingKernel, make_layer, needs_interpreter, reference64, rel_err
 from test_fused_moe import triton_tol
 from test_tail_tiles import COUNTS, _inputs
 
@@ -18,7 +20,7 @@ from moerules.activation import Activation
 from moerules.errors import KernelInputError
 from moerules.kernels.scheme import Scheme, quant_for_cell
 from moerules.kernels.triton import config as config_module
-from moerules.kernels.triton import launch
+from moerules.kernels.triton import fused_moe, launch
 from moerules.kernels.triton.align import moe_align
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_config
 from moerules.kernels.triton.device import sm_count
@@ -166,3 +168,30 @@ def test_persistent_round_trips_through_a_data_file_entry():
     cfg = MoEConfig(BLOCK_M=64, gemm1=_tile(), gemm2=_tile(PERSISTENT=2))
     assert cfg.to_dict()["gemm2"]["PERSISTENT"] == 2 and "PERSISTENT" not in cfg.to_dict()["gemm1"]
     assert MoEConfig.from_dict(cfg.to_dict()) == cfg and cfg.persistent and not BASE.persistent
+
+
+@triton.jit
+def _registers_amax_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))[None, :]
+    tl.store(out_ptr, fused_moe._registers_amax(x, x == x, out_ptr.dtype.element_ty, False))
+
+
+# fp32 values either side of where rounding to fp16 (65504, then Inf from 65520) and to bf16 (0x1.fep+127, then Inf
+# from 0x1.ffp+127) leaves the finite values, with NaN and Inf.
+EDGES = {torch.float16: [65519.0, -65520.0, 70000.0, 1000.0],
+         torch.bfloat16: [float.fromhex("0x1.fefffep+127"), -float.fromhex("0x1.ffp+127"), 3.4e38, 1e38]}
+
+
+@needs_interpreter("a jit kernel on CPU tensors")
+@pytest.mark.parametrize("dtype", list(EDGES))
+@pytest.mark.parametrize("drop", [0, 1])
+def test_the_amax_in_registers_is_the_finite_amax_of_the_stored_values(dtype, drop):
+    """What the read-back takes (quantize.finite_amax of the stored tile): each value rounded to the stored dtype,
+    those that become Inf or are NaN left out. Dropping the largest finite one shows the next."""
+    values = EDGES[dtype][drop:] + [float("nan"), float("inf"), -5.0, 0.0, 0.0, 0.0]
+    x = torch.tensor(values + [0.0] * (16 - len(values)), dtype=torch.float32)
+    out = torch.empty(1, dtype=dtype)
+    _registers_amax_kernel[(1,)](x, out, N=16)
+    stored = x.to(dtype).float().abs()
+    largest_kept = torch.tensor(EDGES[dtype][3 if drop else 0]).to(dtype).float().abs().item()
+    assert out.float().item() == stored[torch.isfinite(stored)].max().item() == largest_kept

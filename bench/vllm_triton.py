@@ -578,11 +578,17 @@ def _vllm_tiles(c: dict) -> str:
 
 
 def _our_tiles(c: dict) -> str:
+    """A data-file entry (MoEConfig.to_dict) in the table's short form: every field that is set."""
     def gemm(g):
-        flags = "".join(f" {f}" for f, on in (("swap", g.get("SWAP_AB")), ("tma", g.get("TMA"))) if on)
+        flags = "".join(f" {f}" for f, on in (("swap", g.get("SWAP_AB")), ("tma", g.get("TMA")),
+                                               ("half", g.get("HALF_MMA"))) if on)
         flags += f" maxnreg {g['MAXNREG']}" if g.get("MAXNREG") else ""
+        flags += f" persistent {g['PERSISTENT']}" if g.get("PERSISTENT") else ""
         return f"N{g['BLOCK_N']} K{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}{flags}"
-    return f"M{c['BLOCK_M']}; 1: {gemm(c['gemm1'])}; 2: {gemm(c['gemm2'])}"
+    rows = "".join(f" {name} {c[field]}" for name, field in (("tail", "TAIL_M"), ("gemm2 rows", "GEMM2_BLOCK_M"))
+                   if c.get(field))
+    rows += "".join(f" {name}" for name, field in (("sorted", "SORTED_INTER"), ("chain", "CHAIN")) if c.get(field))
+    return f"M{c['BLOCK_M']}{rows}; 1: {gemm(c['gemm1'])}; 2: {gemm(c['gemm2'])}"
 
 
 def _row_line(r: dict) -> str:

@@ -48,8 +48,9 @@ class GemmConfig:
     # Programs per SM of a persistent launch (0: one program per tile): each program runs tiles in turn, the K loops
     # of its tiles flattened into one pipelined loop (Triton's tl.range(flatten=True)), so a tile's first loads are in
     # flight during the previous tile's epilogue. Whole BLOCK_M tiles of the sorted assignment: no tail tiles, GEMV
-    # rows, GEMM2_BLOCK_M or chained launches. A persistent GEMM2 on 128 x 256 tiles ran 3.5% faster than the same
-    # tiles one program per tile (H100, Qwen3-30B-A3B bf16 M=4096; bench/results/s46 d.).
+    # rows, GEMM2_BLOCK_M or chained launches. On the H100 (bench/results/s49) GEMM2 reading a sorted intermediate by
+    # TMA ran 1.12x faster so at Qwen3-30B-A3B bf16 M=16384 (6% more than sorted alone); A gathered by address, both
+    # GEMMs lost at 17 of 18 points M >= 4096 (0.05-0.97x: the epilogue lives across the flattened loop).
     PERSISTENT: int = 0
 
 

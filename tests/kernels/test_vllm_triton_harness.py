@@ -237,3 +237,15 @@ def test_a_baseline_that_is_not_a_side_by_side_is_refused_by_name(vt, tmp_path, 
         vt.main(["--baseline", str(path), "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert f"argument --baseline: {error.format(path=path)}" in capsys.readouterr().err
+
+
+def test_the_table_names_every_field_our_entry_sets(vt):
+    """The side-by-side's "our config" column: row-tile fields and each GEMM's flags, as the data file holds them."""
+    from moerules.kernels.triton.config import GemmConfig, MoEConfig
+    g1 = GemmConfig(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, MAXNREG=168)
+    g2 = GemmConfig(BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3, SWAP_AB=True, HALF_MMA=True,
+                    PERSISTENT=1)
+    entry = MoEConfig(BLOCK_M=128, gemm1=g1, gemm2=g2, TAIL_M=32, SORTED_INTER=True, GEMM2_BLOCK_M=64).to_dict()
+    assert vt._our_tiles(entry) == ("M128 tail 32 gemm2 rows 64 sorted; 1: N128 K64 G8 w8 s4 tma maxnreg 168; "
+                                    "2: N256 K128 G1 w8 s3 swap half persistent 1")
+    assert vt._our_tiles(MoEConfig(BLOCK_M=16, gemm1=g1, gemm2=g1).to_dict()).startswith("M16; 1: ")

@@ -220,11 +220,10 @@ def _entries_for(table: dict[int, MoEConfig], *, rows_per_expert: float, gemv_ro
     """The tuned entries that may serve a batch with this mean rows per expert: all, except GEMV rows (BLOCK_M 1)
     past gemv_rows rows per expert, where each row would read its expert's weights again (the tuner seeds them only
     up to one row, `bench/moe.py`; MX GEMV rows lose sooner, `_MX_GEMV_ROWS`), and chained entries (CHAIN) unless
-    the batch takes the naive assignment (`naive`), the only one they run, and sorted intermediates (SORTED_INTER)
-    GEMM2 row tiles (GEMM2_BLOCK_M) and persistent GEMMs (PERSISTENT) only if it does not (the naive assignment has no sorted order, one slot per
-    block). Nearest M alone sent Mixtral-8x7B at M=16
-    (4 rows per expert) on the H200 to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33
-    (bench/results/s27)."""
+    the batch takes the naive assignment (`naive`), the only one they run, and sorted intermediates (SORTED_INTER),
+    GEMM2 row tiles (GEMM2_BLOCK_M) and persistent GEMMs (PERSISTENT) only if it does not (the naive assignment has
+    no sorted order, one slot per block). Nearest M alone sent Mixtral-8x7B at M=16 (4 rows per expert) on the H200
+    to the M=1 entry's GEMV rows: 2321 us against 644 us for vLLM 0.33 (bench/results/s27)."""
     return {m: cfg for m, cfg in table.items()
             if (cfg.BLOCK_M > 1 or rows_per_expert <= gemv_rows) and (naive or not cfg.CHAIN)
             and not (naive and (cfg.SORTED_INTER or cfg.GEMM2_BLOCK_M or cfg.persistent))}

@@ -834,16 +834,17 @@ def gemm1_tile(
     """out[slot, n] = act(x[token] . w[e, gate(n)], x[token] . w[e, up(n)]) for n < N = I.
 
     Non-gated: out[slot, n] = act(x[token] . w[e, n]). Bias and LoRA delta join each pre-activation.
-    Returns, with AMAX, the finite amax of the values the tile stores (0 if none; else 0), for GEMM2's dynamic
-    per-tensor scale (the kernel stores one per program, quant.scale_of_partials); AMAX_MASK: see _stored_amax. EIGHT_BIT_OUT: GEMM2 quantises
-    this output to 8 bits, so the activation may take the coarser sigmoid of _TANH_PTX.
+    Returns with AMAX the finite amax of the values the tile stores (0 if none), else 0: for GEMM2's dynamic
+    per-tensor scale (the kernel stores one per program, quant.scale_of_partials); AMAX_MASK: see _stored_amax.
+    EIGHT_BIT_OUT: GEMM2 quantises this output to 8 bits, so the activation may take the coarser sigmoid of _TANH_PTX.
     W_TMA (launch._weight_descriptors): 0 pointer loads; 1 TMA, the gate and up rows of the halves layout as two
     planes of one box; 2 TMA of 2 * BLOCK_N consecutive rows (non-gated, or interleaved pairs, whose accumulator
     columns then alternate gate, up; MXFP4's paired slabs decode gate rows first, as without TMA).
     STAGES: the K loop's software pipeline depth, or None for the launch's num_stages. A depth set on the loop
     pipelines the GEMV rows' loop (no tl.dot) through shared memory, which the launch's leaves alone: DeepSeek-V3
-    bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile. The block is not past the aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks):
-    the tile's rows lie in 1 block of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
+    bf16 M=1 ran 266 us against 182 so (H200, bench/results/s39). pid_m, pid_n: the tile. The block is not past the
+    aligned rows (the caller checks). W_BLOCKS (block scaling, launch._weight_blocks): the tile's rows lie in 1 block
+    of 128 rows, each of its halves (gate, up) in 1 (2), or no such promise (0).
     ROW_UNIT: the rows of a block of sorted_ids, where the tile's BLOCK_M rows start at block pid_m (_block_rows).
     SORTED_OUT (MoEConfig.SORTED_INTER): the tile's row r goes to out row first + r, first its first row of sorted_ids,
     instead of its slot's row, padding rows zero, so GEMM2 reads whole boxes of it (gemm2_tile's A_SORTED).

@@ -107,3 +107,16 @@ class RecordingKernel:
             self.grids.append(grid)
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def gemm2_on_a_naive_batch(cfg) -> None:
+    """launch.gemm2 with `cfg` handed in (the tuner's path) on a two-slot decode batch of 64 experts, which takes
+    the naive assignment: for configs the lookup never pairs with such a batch, whose launch must refuse it."""
+    from moerules.kernels.triton import launch
+    from moerules.kernels.triton.align import moe_align
+    layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, device=DEVICE, E=64)
+    align = moe_align(torch.tensor([[3, 60]], dtype=torch.int32, device=DEVICE), num_experts=64, block_m=cfg.BLOCK_M)
+    assert align.naive
+    inter = torch.zeros(2, layer.weights.intermediate, dtype=torch.float16, device=DEVICE)
+    launch.gemm2(inter, None, weights=layer.weights, topk_weights=torch.ones(1, 2, device=DEVICE), align=align,
+                 cfg=cfg, out=torch.empty(2, layer.hidden_size, dtype=torch.float16, device=DEVICE))

@@ -8,8 +8,8 @@ import dataclasses
 import os
 
 import pytest
-import torch
-from kernel_helpers import DEVICE, TRITON_DTYPE, RecordingKernel, make_layer, reference64, rel_err
+from kernel_helpers import (DEVICE, TRITON_DTYPE, RecordingKernel, gemm2_on_a_naive_batch, make_layer,
+                            reference64, rel_err)
 from test_fused_moe import triton_tol
 from test_tail_tiles import COUNTS, _inputs
 
@@ -18,7 +18,6 @@ from moerules.errors import KernelInputError
 from moerules.kernels.scheme import Scheme, quant_for_cell
 from moerules.kernels.triton import config as config_module
 from moerules.kernels.triton import launch
-from moerules.kernels.triton.align import moe_align
 from moerules.kernels.triton.config import GemmConfig, MoEConfig, check_batched_config, check_config
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -117,17 +116,10 @@ def test_the_batched_kernels_refuse_gemm2_rows():
 
 def test_a_naive_batch_is_refused_by_the_launch():
     """A config handed in (the tuner's path) on a decode batch, which the lookup never pairs with such an entry."""
-    layer = make_layer("triton.fused_moe", dtype=TRITON_DTYPE, device=DEVICE, E=64)
-    ids = torch.tensor([[3, 60]], dtype=torch.int32, device=DEVICE)
-    align = moe_align(ids, num_experts=64, block_m=32)
-    assert align.naive
-    inter = torch.zeros(2, layer.weights.intermediate, dtype=torch.float16, device=DEVICE)
     with pytest.raises(KernelInputError, match=r"^gemm2: GEMM2_BLOCK_M splits the blocks of the sorted assignment, "
                                                r"and this batch takes the naive one \(one slot per block, 4 \* slots "
                                                r"<= experts\): give it a config without GEMM2_BLOCK_M$"):
-        launch.gemm2(inter, None, weights=layer.weights, topk_weights=torch.ones(1, 2, device=DEVICE), align=align,
-                     cfg=MoEConfig(BLOCK_M=32, gemm1=_tile(), gemm2=_tile(), GEMM2_BLOCK_M=16),
-                     out=torch.empty(2, layer.hidden_size, dtype=torch.float16, device=DEVICE))
+        gemm2_on_a_naive_batch(MoEConfig(BLOCK_M=32, gemm1=_tile(), gemm2=_tile(), GEMM2_BLOCK_M=16))
 
 
 def test_gemm2_row_entries_serve_only_batches_of_the_sorted_assignment():
